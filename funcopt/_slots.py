@@ -1,0 +1,197 @@
+"""Scriptable per-parameter state storage shared by every funcopt algorithm.
+
+TorchScript classes cannot inherit, so every algorithm core *holds* a
+:class:`Slots` (composition) and writes only its own ``step``.  ``Slots`` owns
+what all algorithms have in common:
+
+* the flat parameter list, the param-group each parameter belongs to, and the
+  "buckets" (runs of parameters of one group sharing device and dtype, so a
+  fused or foreach kernel may take them in one call);
+* per-group hyperparameters as ``Dict[str, float]`` (booleans as 0.0 / 1.0),
+  which the Python wrapper keeps in sync with ``param_groups``;
+* one list of state tensors per named slot (``state[slot][param]``), filled
+  lazily on a parameter's first gradient, like ``torch.optim``;
+* validation of a gradient list, done for the whole list before any tensor is
+  touched.
+
+Note on TorchScript (torch 2.13): an in-place ``torch._foreach_*`` or
+``torch._fused_*_`` op whose mutated list was freshly built in the method is
+removed as dead code by the script compiler (its schema marks the *list*, not
+the tensors in it, as written).  Every list a kernel mutates is therefore
+either a persistent attribute (the cached full-bucket lists) or registered in
+``self.live`` for the duration of the step, which makes the writes
+observable.  Tests compare every scripted path with eager by value.
+"""
+from typing import Dict, List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+
+class Slots:
+    def __init__(
+        self,
+        params: List[Tensor],
+        group_of: List[int],
+        buckets: List[List[int]],
+        bucket_fused: List[bool],
+        hyper: List[Dict[str, float]],
+        num_slots: int,
+    ):
+        self.params = params
+        self.group_of = group_of
+        self.buckets = buckets
+        self.bucket_fused = bucket_fused
+        self.hyper = hyper
+        self.num_slots = num_slots
+        self.has_state: List[bool] = [False for _ in params]
+        empty: List[List[Tensor]] = []
+        for _k in range(num_slots):
+            empty.append([torch.empty(0) for _ in params])
+        self.state = empty
+        # per bucket: [params, slot0, slot1, ...] over the whole bucket, valid
+        # once every parameter of the bucket has state (bucket_ready).
+        self.full: List[List[List[Tensor]]] = [
+            torch.jit.annotate(List[List[Tensor]], []) for _ in buckets
+        ]
+        self.bucket_ready: List[bool] = [False for _ in buckets]
+        self.live: List[List[Tensor]] = []
+        bucket_of: List[int] = [0 for _ in params]
+        for b in range(len(buckets)):
+            for i in buckets[b]:
+                bucket_of[i] = b
+        self.bucket_index = bucket_of
+
+    def select(
+        self, grads: List[Optional[Tensor]]
+    ) -> Tuple[List[List[int]], List[List[Tensor]]]:
+        """Validate ``grads`` and split the non-None ones by bucket.
+
+        Returns, per bucket, the parameter indices that have a gradient and
+        the gradients themselves.  Raises before anything is modified.
+        """
+        n = len(self.params)
+        if len(grads) != n:
+            raise ValueError(
+                "funcopt: step() got "
+                + str(len(grads))
+                + " gradients for "
+                + str(n)
+                + " parameters"
+            )
+        idx: List[List[int]] = []
+        gs: List[List[Tensor]] = []
+        for b in range(len(self.buckets)):
+            bi: List[int] = []
+            bg: List[Tensor] = []
+            for i in self.buckets[b]:
+                g = grads[i]
+                if g is not None:
+                    p = self.params[i]
+                    if g.shape != p.shape:
+                        raise ValueError(
+                            "funcopt: gradient "
+                            + str(i)
+                            + " has shape "
+                            + str(g.shape)
+                            + " but its parameter has shape "
+                            + str(p.shape)
+                        )
+                    if g.dtype != p.dtype:
+                        raise ValueError(
+                            "funcopt: gradient "
+                            + str(i)
+                            + " has dtype "
+                            + str(g.dtype)
+                            + " but its parameter has dtype "
+                            + str(p.dtype)
+                        )
+                    if g.device != p.device:
+                        raise ValueError(
+                            "funcopt: gradient "
+                            + str(i)
+                            + " is on "
+                            + str(g.device)
+                            + " but its parameter is on "
+                            + str(p.device)
+                        )
+                    if g.is_sparse:
+                        raise ValueError(
+                            "funcopt: gradient " + str(i) + " is sparse; sparse gradients are not supported"
+                        )
+                    bi.append(i)
+                    bg.append(g)
+            idx.append(bi)
+            gs.append(bg)
+        return idx, gs
+
+    def hp(self, b: int) -> Dict[str, float]:
+        return self.hyper[self.group_of[self.buckets[b][0]]]
+
+    def missing(self, b: int, idx: List[int]) -> List[int]:
+        """Indices in ``idx`` whose state is not allocated yet."""
+        out: List[int] = []
+        if not self.bucket_ready[b]:
+            for i in idx:
+                if not self.has_state[i]:
+                    out.append(i)
+        return out
+
+    def init(self, i: int, values: List[Tensor]) -> None:
+        for k in range(self.num_slots):
+            self.state[k][i] = values[k]
+        self.has_state[i] = True
+        self.bucket_ready[self.bucket_index[i]] = False
+
+    def lists(self, b: int, idx: List[int]) -> List[List[Tensor]]:
+        """``[params, slot0, slot1, ...]`` restricted to ``idx`` (all with state)."""
+        if len(idx) == len(self.buckets[b]):
+            if not self.bucket_ready[b]:
+                ready = True
+                for i in idx:
+                    ready = ready and self.has_state[i]
+                if ready:
+                    self.full[b] = self.gather(idx)
+                    self.bucket_ready[b] = True
+            if self.bucket_ready[b]:
+                return self.full[b]
+        out = self.gather(idx)
+        for lst in out:
+            self.live.append(lst)
+        return out
+
+    def gather(self, idx: List[int]) -> List[List[Tensor]]:
+        out: List[List[Tensor]] = [[self.params[i] for i in idx]]
+        for k in range(self.num_slots):
+            col = self.state[k]
+            out.append([col[i] for i in idx])
+        return out
+
+    def keep(self, lst: List[Tensor]) -> List[Tensor]:
+        """Register a freshly built list that a kernel mutates (see module doc)."""
+        self.live.append(lst)
+        return lst
+
+    def release(self) -> None:
+        self.live = torch.jit.annotate(List[List[Tensor]], [])
+
+    # --- accessors used by the Python wrapper (state_dict, param_groups) ---
+    def get_state(self, k: int, i: int) -> Tensor:
+        return self.state[k][i]
+
+    def set_state(self, i: int, values: List[Tensor], present: bool) -> None:
+        for k in range(self.num_slots):
+            self.state[k][i] = values[k]
+        self.has_state[i] = present
+        b = self.bucket_index[i]
+        self.bucket_ready[b] = False
+        self.full[b] = torch.jit.annotate(List[List[Tensor]], [])
+
+    def state_present(self, i: int) -> bool:
+        return self.has_state[i]
+
+    def set_hyper(self, g: int, key: str, value: float) -> None:
+        self.hyper[g][key] = value
+
+    def get_hyper(self, g: int) -> Dict[str, float]:
+        return self.hyper[g]
