@@ -1,6 +1,18 @@
-"""funcopt: functional, TorchScript-compatible optimizers for PyTorch."""
+"""funcopt: functional, TorchScript-compatible optimizers for PyTorch.
+
+``step(grads)`` takes an explicit gradient list, state lives in plain tensors,
+and the step compiles with ``torch.jit.script`` (``funcopt.script``).  Every
+algorithm matches the ``torch.optim`` class of the same name, bit for bit
+where the same kernel runs, with the same ``state_dict`` format.
+"""
+from . import registry
 from .base import Optimizer
+from .optimizers.adagrad import Adagrad
 from .optimizers.adam import Adam
+from .optimizers.adamw import AdamW
+from .optimizers.sgd import SGD
+from .registry import REGISTRY
 from .script import script
 
+__all__ = ["Optimizer", "SGD", "Adam", "AdamW", "Adagrad", "REGISTRY", "registry", "script"]
 __version__ = "0.1.0"

@@ -21,6 +21,8 @@ A subclass declares, as class attributes:
 """
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 import re
 from collections.abc import Iterable
@@ -51,6 +53,11 @@ def _flatten_hyper(group: Dict[str, Any]) -> Dict[str, float]:
         elif isinstance(value, (bool, int, float, Tensor)):
             out[key] = float(value)
     return out
+
+
+@functools.lru_cache(maxsize=None)
+def _torch_kwargs(cls: type) -> frozenset:
+    return frozenset(inspect.signature(cls.__init__).parameters) - {"self", "params"}
 
 
 class Optimizer(torch.optim.Optimizer):
@@ -112,7 +119,8 @@ class Optimizer(torch.optim.Optimizer):
 
     def _validate_hyper(self, group: Dict[str, Any]) -> None:
         """Raise torch's own error for invalid hyperparameters."""
-        kwargs = {k: v for k, v in group.items() if k not in ("params", "param_names")}
+        accepted = _torch_kwargs(self.torch_class)
+        kwargs = {k: v for k, v in group.items() if k in accepted}
         probe = torch.zeros(1, requires_grad=True)
         self.torch_class([probe], **kwargs)
 

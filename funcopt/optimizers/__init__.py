@@ -1,0 +1,1 @@
+"""One file per algorithm: the functional kernel, its scriptable core and the Python optimizer."""

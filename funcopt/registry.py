@@ -1,0 +1,83 @@
+"""The algorithm registry: one entry per algorithm.
+
+Tests (parity, contracts), the docs tables and the distributed layers iterate
+over ``REGISTRY``; adding an algorithm is one file in ``optimizers/`` plus one
+line here.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterator, List, Optional, Type
+
+import torch
+
+from .base import Optimizer
+from .optimizers.adagrad import Adagrad
+from .optimizers.adam import Adam
+from .optimizers.adamw import AdamW
+from .optimizers.sgd import SGD
+
+
+@dataclass(frozen=True)
+class AlgorithmSpec:
+    """What the rest of funcopt needs to know about one algorithm.
+
+    Attributes:
+      name: the ``torch.optim`` class name.
+      cls: the funcopt optimizer class.
+      grid: hyperparameter values for the parity tests; every combination
+        torch accepts is tested (invalid ones are skipped by asking torch).
+      base: hyperparameters applied to every grid point (e.g. a larger lr).
+    """
+
+    name: str
+    cls: Type[Optimizer]
+    grid: Dict[str, List[Any]] = field(default_factory=dict)
+    base: Dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def torch_cls(self) -> type:
+        return self.cls.torch_class
+
+    @property
+    def fused_devices(self) -> tuple:
+        return self.cls.fused_devices
+
+    def combos(self) -> Iterator[Dict[str, Any]]:
+        """Every grid point that torch.optim accepts, merged over ``base``."""
+        keys = list(self.grid)
+        for values in itertools.product(*(self.grid[k] for k in keys)):
+            kw = dict(self.base, **dict(zip(keys, values)))
+            try:
+                self.torch_cls([torch.zeros(1, requires_grad=True)], **kw)
+            except (ValueError, RuntimeError):
+                continue
+            yield kw
+
+
+_SPECS = [
+    AlgorithmSpec("SGD", SGD, base=dict(lr=0.05), grid=dict(
+        momentum=[0.0, 0.9], dampening=[0.0, 0.3], nesterov=[False, True],
+        weight_decay=[0.0, 0.1], maximize=[False, True])),
+    AlgorithmSpec("Adam", Adam, base=dict(lr=0.01), grid=dict(
+        betas=[(0.9, 0.999), (0.5, 0.9)], weight_decay=[0.0, 0.1], amsgrad=[False, True],
+        maximize=[False, True], decoupled_weight_decay=[False, True])),
+    AlgorithmSpec("AdamW", AdamW, base=dict(lr=0.01), grid=dict(
+        weight_decay=[0.0, 0.1], amsgrad=[False, True], maximize=[False, True], eps=[1e-8, 1e-3])),
+    AlgorithmSpec("Adagrad", Adagrad, base=dict(lr=0.05), grid=dict(
+        lr_decay=[0.0, 0.01], weight_decay=[0.0, 0.1], initial_accumulator_value=[0.0, 0.1],
+        maximize=[False, True], eps=[1e-10, 1e-3])),
+]
+
+REGISTRY: Dict[str, AlgorithmSpec] = {s.name: s for s in _SPECS}
+
+
+def get(name_or_class: Any) -> AlgorithmSpec:
+    """Look up by name, funcopt class or the matching torch.optim class."""
+    for spec in _SPECS:
+        if name_or_class in (spec.name, spec.cls, spec.torch_cls):
+            return spec
+    raise KeyError(
+        f"no funcopt algorithm for {name_or_class!r}; known: {', '.join(REGISTRY)}"
+    )
