@@ -1,0 +1,42 @@
+"""Shared test helpers: deterministic random parameters and gradients.
+
+The factories are session-scoped fixtures (plain functions), so hypothesis
+tests may use them too.
+"""
+from typing import List, Optional, Sequence
+
+import pytest
+import torch
+
+DEFAULT_SHAPES = ((3, 4), (5,), (), (2, 1, 3))
+
+
+def _params(shapes: Sequence = DEFAULT_SHAPES, dtype: torch.dtype = torch.float32, seed: int = 0) -> List[torch.Tensor]:
+    """Leaf tensors with ``requires_grad``; the same seed gives the same values."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(tuple(s), generator=gen, dtype=dtype).requires_grad_() for s in shapes]
+
+
+def _grads(params: Sequence[torch.Tensor], step: int, seed: int = 1) -> List[Optional[torch.Tensor]]:
+    """One fresh gradient per parameter, a function of (seed, step) only."""
+    gen = torch.Generator().manual_seed(seed * 100_003 + step)
+    return [torch.randn(p.shape, generator=gen, dtype=p.dtype) for p in params]
+
+
+def _clone(params: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+    return [p.detach().clone().requires_grad_() for p in params]
+
+
+@pytest.fixture(scope="session")
+def make_params():
+    return _params
+
+
+@pytest.fixture(scope="session")
+def make_grads():
+    return _grads
+
+
+@pytest.fixture(scope="session")
+def clone_params():
+    return _clone
