@@ -33,7 +33,7 @@ class TrainStep(nn.Module):
 
     def __init__(self, make_opt, n_in: int = 8, hidden: int = 32, n_out: int = 1) -> None:
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(n_in, hidden), nn.Tanh(), nn.Linear(hidden, n_out))
+        self.net = nn.Sequential(nn.Linear(n_in, hidden), nn.ReLU(), nn.Linear(hidden, n_out))
         params = list(self.net.parameters())
         # A plain List[Tensor] attribute: the *same* tensor objects as the
         # registered parameters (TorchScript keeps the aliasing), so
