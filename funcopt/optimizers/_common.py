@@ -21,6 +21,16 @@ def step_values(steps: List[Tensor]) -> List[float]:
     return [float(s.item()) for s in steps]
 
 
+def bump(steps: List[Tensor]) -> None:
+    """``steps += 1``.  For CPU counters the one-tensor overload is ~5x faster
+    than the Scalar one (which wraps the scalar once per tensor), as torch.optim
+    also does; same float32 result."""
+    if len(steps) > 0 and steps[0].is_cpu:
+        torch._foreach_add_(steps, torch.ones(()), alpha=1.0)
+    else:
+        torch._foreach_add_(steps, 1.0)
+
+
 def skip_step(found_inf: Optional[Tensor]) -> bool:
     """foreach path only: the fused kernels check ``found_inf`` on device."""
     if found_inf is None:

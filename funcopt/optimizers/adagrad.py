@@ -13,7 +13,7 @@ from torch import Tensor
 
 from .._slots import Slots
 from ..base import Optimizer
-from ._common import full_like, scalars, skip_step, step_tensor, step_values, unscale
+from ._common import bump, full_like, scalars, skip_step, step_tensor, step_values, unscale
 
 
 def adagrad(
@@ -35,7 +35,7 @@ def adagrad(
     if len(params) == 0:
         return
     if fused:
-        torch._foreach_add_(steps, 1.0)
+        bump(steps)
         torch._fused_adagrad_(params, grads, state_sums, steps, lr=lr, lr_decay=lr_decay,
                               weight_decay=weight_decay, eps=eps, maximize=maximize,
                               grad_scale=grad_scale, found_inf=found_inf)
@@ -47,7 +47,7 @@ def adagrad(
     grads = unscale(grads, grad_scale)
     if maximize:
         grads = torch._foreach_neg(grads)
-    torch._foreach_add_(steps, 1.0)
+    bump(steps)
     if weight_decay != 0:
         if maximize:
             torch._foreach_add_(grads, params, alpha=weight_decay)

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from .._slots import Slots
 from ..base import Optimizer
-from ._common import scalars, skip_step, step_tensor, step_values, unscale, zeros_like
+from ._common import bump, scalars, skip_step, step_tensor, step_values, unscale, zeros_like
 
 
 def adam(
@@ -50,7 +50,7 @@ def adam(
     if len(params) == 0:
         return
     if fused:
-        torch._foreach_add_(steps, 1.0)
+        bump(steps)
         if decoupled:
             torch._fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
                                 lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps,
@@ -67,7 +67,7 @@ def adam(
     grads = unscale(grads, grad_scale)
     if maximize:
         grads = torch._foreach_neg(grads)
-    torch._foreach_add_(steps, 1.0)
+    bump(steps)
     if weight_decay != 0:
         if decoupled:
             torch._foreach_mul_(params, 1 - lr * weight_decay)
