@@ -81,3 +81,42 @@ def get(name_or_class: Any) -> AlgorithmSpec:
     raise KeyError(
         f"no funcopt algorithm for {name_or_class!r}; known: {', '.join(REGISTRY)}"
     )
+
+
+def markdown() -> str:
+    """``docs/optimizers.md``, generated from the registry (a test keeps them equal).
+
+    Regenerate with ``python -c "import funcopt.registry as r; print(r.markdown(), end='')" > docs/optimizers.md``.
+    """
+    import inspect as _inspect
+    import sys as _sys
+
+    lines = [
+        "# Optimizers",
+        "",
+        "Generated from `funcopt.registry`; regenerate with",
+        "`python -c \"import funcopt.registry as r; print(r.markdown(), end='')\" > docs/optimizers.md`",
+        "(a test fails when this page and the registry disagree).",
+        "Every algorithm is tested bit for bit against the `torch.optim` class of the same",
+        "name over its whole grid (every combination torch accepts), float32 and float64,",
+        "fused and foreach, eager and scripted.",
+        "",
+        "| algorithm | funcopt | oracle | state (torch format) | fused kernel on | grid tested |",
+        "|---|---|---|---|---|---|",
+    ]
+    for spec in _SPECS:
+        state = ", ".join(f"`{n}`" + (f" (if `{c}`)" if c else "") for n, c in spec.cls.slots)
+        grid = "; ".join(f"{k} in {v}" for k, v in spec.grid.items())
+        n = len(list(spec.combos()))
+        lines.append(
+            f"| {spec.name} | `funcopt.{spec.cls.__name__}` | `torch.optim.{spec.torch_cls.__name__}` "
+            f"| {state} | {', '.join(spec.fused_devices)} | {n} combos: {grid} |"
+        )
+    for spec in _SPECS:
+        module = _sys.modules[spec.cls.__module__]
+        sig = str(_inspect.signature(spec.cls.__init__)).replace("self, ", "")
+        lines += ["", f"## {spec.name}", "", f"`funcopt.{spec.cls.__name__}{sig}`", ""]
+        lines += [_inspect.cleandoc(module.__doc__ or ""), ""]
+        lines += [_inspect.cleandoc(spec.cls.__doc__ or "")]
+    return "\n".join(lines) + "\n"
+
