@@ -46,6 +46,8 @@ def _build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--batch-size", type=int, default=256, help="batch size (default: 256)")
     demo.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate (default: 1e-3)")
     demo.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
+    demo.add_argument("--threads", type=int, default=None,
+                      help="torch intra-op threads (default: torch's default, usually the core count)")
     demo.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     # Room for distributed variants (``--zero``, ``--rpc``) once those layers land.
     demo.set_defaults(func=_cmd_demo)
@@ -70,6 +72,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 def _cmd_demo(args: argparse.Namespace) -> int:
     if args.steps < 1:
         print("funcopt demo: --steps must be at least 1", file=sys.stderr)
+        return 2
+    if args.threads is not None and args.threads < 1:
+        print("funcopt demo: --threads must be at least 1", file=sys.stderr)
         return 2
     if args.batch_size < 1:
         print("funcopt demo: --batch-size must be at least 1", file=sys.stderr)
@@ -96,6 +101,8 @@ def _demo_local(args: argparse.Namespace) -> int:
 
     import funcopt
 
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     steps, batch = args.steps, args.batch_size
     gen = torch.Generator().manual_seed(args.seed)
     # Synthetic regression: a fixed random nonlinear teacher plus noise.
