@@ -40,3 +40,14 @@ def make_grads():
 @pytest.fixture(scope="session")
 def clone_params():
     return _clone
+
+
+@pytest.fixture(scope="module")
+def single_thread():
+    """One intra-op thread for a module of tiny-tensor tests: on a shared
+    2-core machine, waking torch's thread pool for a 12-element fused kernel
+    can cost milliseconds.  Results do not depend on it (elementwise ops)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

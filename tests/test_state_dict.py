@@ -15,6 +15,7 @@ import funcopt
 from funcopt.registry import REGISTRY
 
 K = 5  # steps before and after a checkpoint
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 # ---------------------------------------------------------------- helpers
