@@ -54,8 +54,11 @@ def _build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser(
         "bench",
-        help="run the optimizer-step benchmark (benchmarks/step.py); extra arguments are passed on",
-        description="Run benchmarks/step.py from a source checkout; any further arguments are passed to it.",
+        help="run the optimizer-step benchmark (benchmarks/step.py); further arguments are passed on",
+        description=(
+            "Run benchmarks/step.py from a source checkout; every argument after 'bench' is passed "
+            "to it unchanged (see 'funcopt bench -- --help' for its options)."
+        ),
     )
     bench.add_argument("args", nargs=argparse.REMAINDER, help="arguments for benchmarks/step.py")
     bench.set_defaults(func=_cmd_bench)
@@ -64,6 +67,14 @@ def _build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of the ``funcopt`` console script; returns the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # ``bench`` hands everything after it, verbatim, to benchmarks/step.py
+    # (argparse would reorder or reject options it does not know).
+    if argv[:1] == ["bench"] and argv[1:2] not in (["-h"], ["--help"]):
+        rest = argv[1:]
+        if rest[:1] == ["--"]:
+            rest = rest[1:]
+        return _run_bench(rest)
     args = _build_parser().parse_args(argv)
     return int(args.func(args) or 0)
 
@@ -202,6 +213,10 @@ def _find_benchmark(name: str) -> Optional[Path]:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
+    return _run_bench(list(args.args))
+
+
+def _run_bench(extra: List[str]) -> int:
     path = _find_benchmark("step.py")
     if path is None:
         print(
@@ -211,11 +226,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    extra = list(args.args)
-    if extra and extra[0] == "--":
-        extra = extra[1:]
-    saved_argv = sys.argv
+    saved_argv, saved_path = sys.argv, list(sys.path)
     sys.argv = [str(path), *extra]
+    sys.path.insert(0, str(path.parent))  # as `python benchmarks/step.py` would
     try:
         runpy.run_path(str(path), run_name="__main__")
     except SystemExit as e:
@@ -228,4 +241,5 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         return 1
     finally:
         sys.argv = saved_argv
+        sys.path[:] = saved_path
     return 0

@@ -62,3 +62,14 @@ def test_usage_errors():
     assert r.returncode == 2 and "COMMAND" in r.stderr
     r = _run(["-m", "funcopt", "demo", "--steps", "0"], timeout=120)
     assert r.returncode == 2 and "--steps" in r.stderr
+
+
+def test_bench_passes_arguments_through():
+    r = _run(["-m", "funcopt", "bench", "--help"], timeout=120)
+    assert r.returncode == 0 and "funcopt bench" in r.stdout
+    r = _run(["-m", "funcopt", "bench", "--", "--help"], timeout=240)
+    if (ROOT / "benchmarks" / "step.py").is_file():
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert "step.py" in r.stdout  # the benchmark's own usage line
+    else:
+        assert r.returncode == 2 and "benchmarks/step.py not found" in r.stderr
