@@ -38,7 +38,7 @@ _FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # torch's own group keys that choose torch's implementation; we keep them in
 # param_groups (the state_dict format) but they do not feed the core.
 _IMPL_KEYS = ("foreach", "fused", "capturable", "differentiable")
-_JIT_MSG = re.compile(r"(funcopt: [^\n]*)")
+_JIT_MSG = re.compile(r"ValueError: (funcopt: [^\n]*)")
 
 
 def _flatten_hyper(group: Dict[str, Any]) -> Dict[str, float]:
@@ -141,7 +141,7 @@ class Optimizer(torch.optim.Optimizer):
             del self.param_groups[n_before:]
             raise
         if self.__dict__.get("_core") is not None:
-            self._build_core(self._core)
+            self._build_core(self._slots)
 
     def _bucket(self, params: List[Tensor], group_of: List[int]) -> Tuple[List[List[int]], List[bool]]:
         keys: Dict[Tuple[int, str, torch.dtype], int] = {}
@@ -163,20 +163,47 @@ class Optimizer(torch.optim.Optimizer):
             buckets[keys[key]].append(i)
         return buckets, fused
 
-    def _build_core(self, old: Any) -> None:
+    def _build_core(self, old_slots: Any) -> None:
+        """(Re)build the slots and core; ``old_slots`` state carries over by index
+        (``add_param_group`` appends, so old indices stay valid)."""
+        n_old = len(self.__dict__.get("_group_of", ()))
         params = self._flat_params()
         group_of = [g for g, group in enumerate(self.param_groups) for _ in group["params"]]
         buckets, fused = self._bucket(params, group_of)
         hyper = [_flatten_hyper(g) for g in self.param_groups]
-        core = self.core_class(Slots(params, group_of, buckets, fused, hyper, len(self.slots)))
-        if old is not None:  # carry state over (add_param_group appends at the end)
-            for i in range(len(old.slots.params)):
-                if old.slots.state_present(i):
-                    vals = [old.slots.get_state(k, i) for k in range(len(self.slots))]
-                    core.slots.set_state(i, vals, True)
+        slots = Slots(params, group_of, buckets, fused, hyper, len(self.slots))
+        if old_slots is not None:
+            for i in range(n_old):
+                if old_slots.state_present(i):
+                    slots.set_state(i, [old_slots.get_state(k, i) for k in range(len(self.slots))], True)
         self._hyper_cache = hyper
         self._group_of = group_of
-        self._core = _script_core(core) if self._scripted else core
+        self._install(slots)
+
+    def _install(self, slots: Any) -> None:
+        """Make ``slots`` (and a core over it) current, scripted if the optimizer is.
+
+        A scripted core must be built over an already scripted ``Slots``: the
+        wrapper keeps that very object (``self._slots``) for state and
+        hyperparameter access.  Reading ``core.slots`` from Python would give a
+        converted *copy*, and writes to it would be lost.
+        """
+        if self._scripted:
+            from .script import script_object
+
+            if not isinstance(slots, torch.jit.RecursiveScriptClass):
+                self.core_class(slots)  # eager constructor work (e.g. Adagrad's initial state)
+                slots = script_object(slots)
+            self._slots = slots
+            self._core = script_object(self.core_class(slots))
+        else:
+            self._slots = slots
+            self._core = self.core_class(slots)
+
+    def _script(self) -> None:
+        if not self._scripted:
+            self._scripted = True
+            self._install(self._slots)
 
     @property
     def core(self) -> Any:
@@ -186,19 +213,50 @@ class Optimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------- step
     def _sync_hyper(self) -> None:
+        """Push changed ``param_groups`` values into the core (checked first)."""
         for g, group in enumerate(self.param_groups):
             flat = _flatten_hyper(group)
             cached = self._hyper_cache[g]
-            if flat != cached:
-                if flat.keys() != cached.keys():
-                    raise ValueError(
-                        f"param_groups[{g}] keys changed: {sorted(flat)} != {sorted(cached)}"
-                    )
-                self._validate_hyper(group)
-                for k, v in flat.items():
-                    if cached[k] != v and not (math.isnan(v) and math.isnan(cached[k])):
-                        self._core.slots.set_hyper(g, k, v)
-                self._hyper_cache[g] = flat
+            if flat == cached:
+                continue
+            missing = set(cached) - set(flat)
+            if missing:
+                raise ValueError(f"param_groups[{g}] lost hyperparameters {sorted(missing)}")
+            self._validate_hyper(group)
+            reset = self._slots_switched_on(g, cached, flat)
+            for i in reset:
+                self._slots.set_state(i, [torch.empty(0) for _ in self.slots], False)
+            for k, v in flat.items():  # new keys too, e.g. a scheduler's "initial_lr"
+                old = cached.get(k)
+                if old is None or (old != v and not (math.isnan(v) and math.isnan(old))):
+                    self._slots.set_hyper(g, k, v)
+            self._hyper_cache[g] = flat
+
+    def _slots_switched_on(self, g: int, old: Dict[str, float], new: Dict[str, float]) -> List[int]:
+        """Parameters whose state must restart because a flag now adds a slot.
+
+        Turning on a flag that owns the *only* state slot (SGD's momentum) is
+        what torch.optim allows: the buffer starts from the next gradient.  A
+        flag that adds a slot next to existing state (Adam's amsgrad) cannot be
+        honoured exactly -- torch.optim fails on it too -- so it is refused,
+        before anything changes.
+        """
+        turned_on = [
+            name for name, cond in self.slots
+            if cond is not None and not old.get(cond, 0.0) and new.get(cond, 0.0)
+        ]
+        if not turned_on:
+            return []
+        members = [i for i, gi in enumerate(self._group_of) if gi == g and self._slots.state_present(i)]
+        if not members:
+            return []
+        others = [name for name, cond in self.slots if name not in turned_on and (cond is None or old.get(cond, 0.0))]
+        if others:
+            raise ValueError(
+                f"param_groups[{g}]: cannot switch on the state {turned_on} after the first step "
+                f"(the group already has {others}); set it at construction"
+            )
+        return members
 
     def step(  # type: ignore[override]
         self,
@@ -240,16 +298,14 @@ class Optimizer(torch.optim.Optimizer):
         return [cond is None or bool(group.get(cond)) for _, cond in self.slots]
 
     def _state_entry(self, i: int) -> Dict[str, Any]:
-        slots = self._core.slots
+        slots = self._slots
         if not slots.state_present(i):
             return {}
-        group = self.param_groups[self._group_of[i]]
-        present = self._present(group)
+        present = self._present(self._hyper_cache[self._group_of[i]])  # as last synced to the core
         return {name: slots.get_state(k, i) for k, (name, _) in enumerate(self.slots) if present[k]}
 
     def state_dict(self) -> Dict[str, Any]:
         """The exact ``state_dict`` format of ``torch_class`` (tensors by reference)."""
-        self._sync_hyper()
         groups, state, start = [], {}, 0
         for group in self.param_groups:
             packed = {k: v for k, v in group.items() if k != "params"}
@@ -270,6 +326,12 @@ class Optimizer(torch.optim.Optimizer):
         unknown or missing state keys, shapes, non-floating state, invalid
         hyperparameters) and leaves the optimizer untouched.
         """
+        self.commit_state(self.stage_state(state_dict))
+
+    def stage_state(self, state_dict: Dict[str, Any]) -> Tuple[List[Dict[str, Any]], Dict[int, List[Tensor]]]:
+        """The checking half of :meth:`load_state_dict`: validates and converts,
+        changes nothing; :meth:`commit_state` applies the result.  (The
+        distributed layers check on every rank before any rank commits.)"""
         name = type(self).__name__
         if not isinstance(state_dict, dict) or set(state_dict) != {"state", "param_groups"}:
             raise ValueError(f"{name}.load_state_dict: expected a dict with keys 'state' and 'param_groups'")
@@ -292,13 +354,11 @@ class Optimizer(torch.optim.Optimizer):
                     f"{name}.load_state_dict: param group {g} has {len(saved['params'])} params in the "
                     f"state dict but {len(group['params'])} in the optimizer"
                 )
-            missing = set(group) - set(saved) - {"params", "param_names"}
-            extra = set(saved) - set(group) - {"params", "param_names"}
-            if missing or extra:
+            missing = set(self.defaults) - set(saved)
+            if missing:
                 raise ValueError(
-                    f"{name}.load_state_dict: param group {g} hyperparameters differ "
-                    f"(missing {sorted(missing)}, unexpected {sorted(extra)}); is this a "
-                    f"{self.torch_class.__name__} state dict?"
+                    f"{name}.load_state_dict: param group {g} lacks hyperparameters {sorted(missing)}; "
+                    f"is this a {self.torch_class.__name__} state dict?"
                 )
             new = {k: v for k, v in saved.items() if k not in ("params", "param_names")}
             new["params"] = group["params"]
@@ -308,8 +368,9 @@ class Optimizer(torch.optim.Optimizer):
                 self._validate_hyper(new)
             except (ValueError, RuntimeError, TypeError) as e:
                 raise ValueError(f"{name}.load_state_dict: param group {g}: {e}") from None
-            if _flatten_hyper(new).keys() != _flatten_hyper(group).keys():
-                raise ValueError(f"{name}.load_state_dict: param group {g} hyperparameter types differ")
+            for key, default in self.defaults.items():
+                if isinstance(default, (tuple, list)) and len(new[key]) != len(default):
+                    raise ValueError(f"{name}.load_state_dict: param group {g}: {key}={new[key]!r}")
             for sid in saved["params"]:
                 if sid in id_map:
                     raise ValueError(f"{name}.load_state_dict: parameter id {sid!r} appears twice")
@@ -332,13 +393,16 @@ class Optimizer(torch.optim.Optimizer):
                     f"{name}.load_state_dict: state of parameter {sid!r} has keys {got}, expected {sorted(expected)}"
                 )
             staged[i] = self._convert_entry(sid, p, entry, group)
-        # ---- everything checked: commit
+        return new_groups, staged
+
+    def commit_state(self, staged: Tuple[List[Dict[str, Any]], Dict[int, List[Tensor]]]) -> None:
+        new_groups, state = staged
         for g, new in enumerate(new_groups):
             self.param_groups[g].clear()
             self.param_groups[g].update(new)
         self._build_core(None)
-        slots = self._core.slots
-        for i, vals in staged.items():
+        slots = self._slots
+        for i, vals in state.items():
             slots.set_state(i, vals, True)
 
     def _convert_entry(self, sid: Any, p: Tensor, entry: Dict[str, Any], group: Dict[str, Any]) -> List[Tensor]:
@@ -378,7 +442,3 @@ class Optimizer(torch.optim.Optimizer):
         return self.impl != "foreach" and p.device.type in self.fused_devices and p.dtype in _FUSED_DTYPES
 
 
-def _script_core(core: Any) -> Any:
-    from .script import script_object
-
-    return script_object(core)

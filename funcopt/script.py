@@ -48,7 +48,5 @@ def script(opt: T) -> T:
         >>> bool((w < 0).all())
         True
     """
-    if not getattr(opt, "_scripted", False):
-        opt._core = script_object(opt._core)  # type: ignore[attr-defined]
-        opt._scripted = True  # type: ignore[attr-defined]
+    opt._script()  # type: ignore[attr-defined]
     return opt

@@ -74,15 +74,22 @@ def adagrad(
 
 
 class AdagradCore:
-    """Scriptable Adagrad state and step (slots: step, sum); state exists from construction, as in torch."""
+    """Scriptable Adagrad state and step (slots: step, sum).
+
+    State exists from construction, as in torch; constructing a core over
+    slots that already hold state keeps it."""
 
     def __init__(self, slots: Slots):
         self.slots = slots
-        for b in range(len(slots.buckets)):
+        has = slots.has_state
+        params = slots.params
+        fused = slots.bucket_fused
+        buckets = slots.buckets
+        for b in range(len(buckets)):
             init = slots.hp(b)["initial_accumulator_value"]
-            for i in slots.buckets[b]:
-                p = slots.params[i]
-                slots.init(i, [step_tensor(p, slots.bucket_fused[b]), full_like(p, init)])
+            for i in buckets[b]:
+                if not has[i]:
+                    slots.init(i, [step_tensor(params[i], fused[b]), full_like(params[i], init)])
 
     def step(
         self,

@@ -91,6 +91,10 @@ class SGDCore:
                 fused = s.bucket_fused[b]
                 momentum = h["momentum"]
                 new = s.missing(b, idx[b])
+                if len(new) > 0 and skip_step(found_inf):
+                    # a skipped first step must leave no buffer behind (the next
+                    # real step is the first); one host read, on first steps only
+                    continue
                 if len(new) > 0:
                     # parameters on their first step get their buffer from the gradient
                     gnew: List[Tensor] = []
