@@ -1,0 +1,97 @@
+"""The few collectives the distributed layers use, in one place.
+
+Every call goes through ``torch.distributed`` (gloo on CPU, NCCL on GPU); the
+process group's own timeout bounds every wait, so a rank that never arrives
+ends in an error, not a hang.  ``agree`` turns a local failure on any rank into
+the same error on every rank.
+"""
+from __future__ import annotations
+
+import hashlib
+import pickle
+from typing import Any, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+
+class DistributedError(RuntimeError):
+    """A check failed on some rank; raised on every rank."""
+
+
+def rank_and_size(group: Optional[Any]) -> tuple:
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def comm_device(group: Optional[Any]) -> torch.device:
+    """Where collective buffers live: CUDA for NCCL, CPU otherwise."""
+    backend = dist.get_backend(group)
+    if backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def digest(obj: Any) -> int:
+    """A stable 63-bit fingerprint of a picklable description."""
+    h = hashlib.sha256(pickle.dumps(obj, protocol=4)).digest()
+    return int.from_bytes(h[:8], "little") & ((1 << 63) - 1)
+
+
+def agree(error: Optional[str], group: Optional[Any], what: str) -> None:
+    """Collective: raise ``DistributedError`` on every rank if any rank has an error.
+
+    Call on every rank.  ``error`` is this rank's problem (``None`` when fine).
+    """
+    rank, world = rank_and_size(group)
+    flag = torch.tensor([0 if error is None else 1], dtype=torch.int64, device=comm_device(group))
+    dist.all_reduce(flag, group=group)
+    if int(flag.item()) == 0:
+        return
+    errors: List[Optional[str]] = [None] * world
+    dist.all_gather_object(errors, error, group=group)
+    msgs = [f"rank {r}: {e}" for r, e in enumerate(errors) if e is not None]
+    raise DistributedError(f"{what} failed on {len(msgs)} of {world} ranks: " + "; ".join(msgs))
+
+
+def check_same(value: Any, group: Optional[Any], what: str) -> None:
+    """Collective: every rank must pass an equal ``value`` (compared by digest)."""
+    rank, world = rank_and_size(group)
+    mine = torch.tensor([digest(value)], dtype=torch.int64, device=comm_device(group))
+    everyone = [torch.zeros_like(mine) for _ in range(world)]
+    dist.all_gather(everyone, mine, group=group)
+    codes = [int(t.item()) for t in everyone]
+    if len(set(codes)) != 1:
+        differ = [r for r, c in enumerate(codes) if c != codes[0]]
+        raise DistributedError(
+            f"{what} differs across ranks (ranks {differ} disagree with rank 0); "
+            "every rank must construct it with the same parameters in the same order"
+        )
+
+
+def all_gather_into(outputs: Sequence[Tensor], inp: Tensor, group: Optional[Any]) -> None:
+    """``outputs[r] <- inp of rank r`` (views into a larger buffer are fine)."""
+    dist.all_gather(list(outputs), inp, group=group)
+
+
+def reduce_scatter(output: Tensor, inputs: Sequence[Tensor], group: Optional[Any], async_op: bool = False) -> Any:
+    """``output <- sum over ranks of inputs[my rank]``; one flat collective when possible."""
+    flat = torch.cat([t.reshape(-1) for t in inputs])
+    return dist.reduce_scatter_single(output.view(-1), flat, group=group, async_op=async_op)
+
+
+def send_object(obj: Any, dst: int, group: Optional[Any]) -> None:
+    dist.send_object_list([obj], group=group, group_dst=dst)
+
+
+def recv_object(src: int, group: Optional[Any]) -> Any:
+    box: List[Any] = [None]
+    dist.recv_object_list(box, group=group, group_src=src)
+    return box[0]
+
+
+def all_gather_object(obj: Any, group: Optional[Any]) -> List[Any]:
+    _, world = rank_and_size(group)
+    out: List[Any] = [None] * world
+    dist.all_gather_object(out, obj, group=group)
+    return out
