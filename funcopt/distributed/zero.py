@@ -17,7 +17,7 @@ from torch.profiler import record_function
 
 from .. import registry
 from ..script import script
-from . import _comm
+from . import _comm, checkpoint
 from .bucketer import ReduceScatterBucketer
 from .layout import Layout, Segment, chunks, make_layout
 
@@ -424,6 +424,18 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             start += len(g["params"])
             groups.append(packed)
         return {"state": state, "param_groups": groups}
+
+    def save_sharded(self, path: str) -> None:
+        """Each rank writes its own shard under directory ``path``.  Collective.
+
+        See :mod:`funcopt.distributed.checkpoint`; loads at any world size
+        with :meth:`load_sharded`.
+        """
+        checkpoint.save_sharded(self, path)
+
+    def load_sharded(self, path: str) -> None:
+        """Load a :meth:`save_sharded` checkpoint from any world size.  Collective."""
+        checkpoint.load_sharded(self, path)
 
     def state_dict(self) -> Dict[str, Any]:
         """The consolidated state (torch.optim format) on the rank it was consolidated to."""
