@@ -51,3 +51,10 @@ def single_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+def pytest_configure(config):
+    """One intra-op thread for the whole suite: the tests use tiny tensors, for
+    which waking torch's thread pool costs more than the work (milliseconds per
+    fused step on a busy 2-core machine).  Results do not depend on it."""
+    torch.set_num_threads(1)

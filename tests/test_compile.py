@@ -8,14 +8,14 @@ Inductor builds C++ here (gcc), so each case takes tens of seconds.
   instead of host doubles, so results match eager to rounding, not bitwise.
 * ``impl="fused"`` with ``amsgrad=True``: compiles and is bitwise equal (the
   ATen fused kernel runs in both).
-* ``impl="auto"`` (= fused on CPU) with ``amsgrad=False``: fails in torch.
+* ``impl="auto"`` (= fused on CPU) with ``amsgrad=False``: in torch 2.13
   ``torch._fused_adam_`` with an empty ``max_exp_avg_sqs`` list breaks
   AOTAutograd functionalization ("mutating a non-functional tensor with a
-  functional tensor is not allowed"); the same call with a non-empty list
-  compiles.  torch.optim avoids this by running its fused Adam under
-  ``torch.compiler.disable``.  Marked ``xfail(strict=True)`` until funcopt
-  routes around it (e.g. the foreach formula when ``is_compiling()``): then
-  this test XPASSes, fails, and the marker should go.
+  functional tensor is not allowed"); torch.optim avoids it with
+  ``torch.compiler.disable``.  funcopt calls the out-of-place
+  ``aten::_fused_adam`` under compile instead: same kernel, bitwise equal.
+* SGD/Adagrad fused: no fake kernels in torch 2.13, so the foreach formula
+  runs under compile.
 """
 from __future__ import annotations
 
@@ -84,11 +84,25 @@ def test_compile_adam_fused_amsgrad():
     _compare("fused", amsgrad=True, exact=True)
 
 
-@pytest.mark.xfail(
-    raises=torch._dynamo.exc.BackendCompilerFailed,
-    strict=True,
-    reason="torch 2.13: _fused_adam_ with an empty max_exp_avg_sqs list fails "
-    "functionalization under torch.compile (see module docstring)",
-)
 def test_compile_adam_auto_fused():
+    """Default impl (fused on CPU) without amsgrad: funcopt routes the compiled
+    step through the out-of-place ``aten::_fused_adam`` (same kernel), so the
+    result stays bitwise equal to eager."""
     _compare("auto", amsgrad=False, exact=True)
+
+
+@pytest.mark.parametrize("name,kw", [("SGD", dict(lr=0.05, momentum=0.9)), ("Adagrad", dict(lr=0.05))])
+def test_compile_fused_without_fake_kernel_falls_back(name, kw):
+    """torch 2.13 has no fake kernel for ``_fused_sgd_``/``_fused_adagrad_``;
+    under torch.compile funcopt runs the foreach formula instead."""
+    cls = getattr(funcopt, name)
+    pe, pc = _params(), _params()
+    eager, compiled_opt = cls(pe, impl="foreach", **kw), cls(pc, **kw)
+    step = torch.compile(compiled_opt.step, fullgraph=True)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        grads = [torch.randn(s, generator=g) for s in SHAPES]
+        eager.step(grads)
+        step(grads)
+    for a, b in zip(pe, pc):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), (a - b).abs().max()

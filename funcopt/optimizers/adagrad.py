@@ -34,6 +34,8 @@ def adagrad(
     when ``fused``, else torch's foreach order: bitwise equal to torch.optim)."""
     if len(params) == 0:
         return
+    if fused and torch.compiler.is_compiling():
+        fused = False  # torch 2.13 has no fake kernel for this fused op; the foreach formula compiles
     if fused:
         bump(steps)
         torch._fused_adagrad_(params, grads, state_sums, steps, lr=lr, lr_decay=lr_decay,

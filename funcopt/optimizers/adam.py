@@ -51,7 +51,23 @@ def adam(
         return
     if fused:
         bump(steps)
-        if decoupled:
+        if torch.compiler.is_compiling() and not amsgrad:
+            # torch 2.13 cannot functionalize the in-place fused op with an empty
+            # max_exp_avg_sqs list; its out-of-place twin (same kernel) compiles
+            if decoupled:
+                outs = torch.ops.aten._fused_adamw(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
+                                                   lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay,
+                                                   eps=eps, amsgrad=amsgrad, maximize=maximize,
+                                                   grad_scale=grad_scale, found_inf=found_inf)
+            else:
+                outs = torch.ops.aten._fused_adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
+                                                  lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay,
+                                                  eps=eps, amsgrad=amsgrad, maximize=maximize,
+                                                  grad_scale=grad_scale, found_inf=found_inf)
+            torch._foreach_copy_(params, outs[0])
+            torch._foreach_copy_(exp_avgs, outs[2])
+            torch._foreach_copy_(exp_avg_sqs, outs[3])
+        elif decoupled:
             torch._fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
                                 lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps,
                                 amsgrad=amsgrad, maximize=maximize, grad_scale=grad_scale, found_inf=found_inf)

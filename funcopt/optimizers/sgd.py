@@ -41,6 +41,8 @@ def sgd(
     """
     if len(params) == 0:
         return
+    if fused and torch.compiler.is_compiling():
+        fused = False  # torch 2.13 has no fake kernel for this fused op; the foreach formula compiles
     if fused:
         torch._fused_sgd_(params, grads, momentum_buffers, weight_decay=weight_decay, momentum=momentum,
                           lr=lr, dampening=dampening, nesterov=nesterov, maximize=maximize,
