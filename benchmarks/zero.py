@@ -1,0 +1,507 @@
+#!/usr/bin/env python
+"""ZeRO step+sync time and per-rank memory: funcopt against DDP and torch's ZeroRedundancyOptimizer.
+
+The script launches its own ``--world-size`` processes (``torch.multiprocessing``
+spawn, gloo, ``file://`` rendezvous), or, when ``RANK`` / ``WORLD_SIZE`` are set
+(``torchrun``), joins the group from the environment.  Every process builds the
+same model (a stack of ``Linear(width, width)`` layers, ``--params`` fp32
+parameters in all) and one copy of it per peer; every peer sees the same
+synthetic batches (each rank its slice of the global batch).
+
+Peers, interleaved in the same processes (every iteration runs one training
+step of every peer in turn, the starting peer rotating, a barrier before
+each), so clock drift and background load hit all peers alike:
+
+* ``ddp_adam``      DDP + ``torch.optim.Adam(fused=True)`` (state unsharded)
+* ``torch_zero``    DDP + ``torch.distributed.optim.ZeroRedundancyOptimizer(Adam, fused=True)``
+* ``torch_zero_bv`` the same with ``parameters_as_bucket_view=True``
+* ``f_flat``        DDP + funcopt ZeRO-1, ``partition="flat"``
+* ``f_greedy``      DDP + funcopt ZeRO-1, ``partition="greedy"``
+* ``f_flat_bv``     DDP + funcopt ZeRO-1 flat, ``parameters_as_bucket_view=True``
+* ``f_z2``          funcopt ZeRO-2 (no DDP: gradients reduce-scattered during backward)
+
+Each training step is timed in two parts: ``fwd+bwd`` (``zero_grad``, forward,
+backward; for DDP peers it includes the gradient all-reduce, for ZeRO-2 the
+reduce-scatters issued during backward) and ``step+sync`` (``opt.step()``: for
+DDP+Adam the update only, for the ZeRO peers the update of the local shard plus
+the parameter all-gather / broadcasts; for ZeRO-2 also the last reduce-scatter
+flush).  A step's time is the slowest rank's; the figure is the median over
+``--iters`` steps after ``--warmup``.
+
+Also printed: per-rank optimizer-state bytes (torch peers: the tensors in the
+(local) optimizer's ``state``; funcopt: ``opt.state_bytes()``), gradient bytes
+held after backward (``p.grad`` bytes; funcopt ZeRO-2: ``opt.grad_shard_bytes()``)
+and its peak during backward, next to the unsharded figures and the 1/W target;
+a per-range breakdown of each ZeRO peer's ``step()`` (``torch.profiler``, the
+``funcopt::zero/...`` ranges and the top ATen / gloo ops); and the raw
+collective floors (gloo all-gather / all-reduce / broadcast of the same sizes).
+At the end every peer's parameters are compared with DDP+Adam's.
+
+Examples::
+
+    python benchmarks/zero.py                          # W=2, 16M parameters
+    python benchmarks/zero.py --params 64M --iters 30
+    python benchmarks/zero.py --peers ddp_adam,f_flat --profile   # TensorBoard trace in runs/zero
+    torchrun --standalone --nproc-per-node 2 benchmarks/zero.py
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import json
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+PEERS = {
+    "ddp_adam": "DDP + Adam(fused)",
+    "torch_zero": "DDP + torch ZeRO",
+    "torch_zero_bv": "DDP + torch ZeRO (bucket view)",
+    "f_flat": "DDP + funcopt ZeRO-1 flat",
+    "f_greedy": "DDP + funcopt ZeRO-1 greedy",
+    "f_flat_bv": "DDP + funcopt ZeRO-1 flat (bucket view)",
+    "f_z2": "funcopt ZeRO-2 (no DDP)",
+}
+MiB = 1024 * 1024
+
+
+def parse_size(s: str) -> int:
+    s = s.strip().upper()
+    mult = {"K": 1000, "M": 1000_000, "G": 1000_000_000}.get(s[-1:], 1)
+    return int(float(s[:-1] if s[-1:] in "KMG" else s) * mult)
+
+
+def fmt_bytes(n: float) -> str:
+    return f"{n / MiB:,.1f} MiB"
+
+
+# ------------------------------------------------------------------ model / data
+def build_model(n_params: int, width: int, seed: int) -> torch.nn.Module:
+    layers = max(1, round(n_params / (width * width + width)))
+    torch.manual_seed(seed)
+    mods: List[torch.nn.Module] = []
+    for i in range(layers):
+        mods.append(torch.nn.Linear(width, width))
+        if i + 1 < layers:
+            mods.append(torch.nn.ReLU())
+    return torch.nn.Sequential(*mods)
+
+
+def make_batches(n: int, world: int, rank: int, batch: int, width: int, seed: int) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+    out = []
+    for k in range(n):
+        g = torch.Generator().manual_seed(seed * 1000 + k)
+        x = torch.randn(world * batch, width, generator=g)
+        y = torch.randn(world * batch, width, generator=g)
+        out.append((x[rank * batch:(rank + 1) * batch].contiguous(), y[rank * batch:(rank + 1) * batch].contiguous()))
+    return out
+
+
+# ------------------------------------------------------------------------ peers
+class Peer:
+    def __init__(self, key: str, model: torch.nn.Module, net: torch.nn.Module, opt: Any):
+        self.key, self.name = key, PEERS[key]
+        self.model, self.net, self.opt = model, net, opt
+        self.params = list(model.parameters())
+        self.fb: List[float] = []
+        self.st: List[float] = []
+        self.grad_bytes = 0
+        self.grad_peak = 0
+
+    def is_funcopt(self) -> bool:
+        return self.key.startswith("f_")
+
+    def state_bytes(self) -> int:
+        if self.is_funcopt():
+            return int(self.opt.state_bytes())
+        optim = self.opt.optim if hasattr(self.opt, "optim") else self.opt  # torch ZeRO: its local optimizer
+        return sum(t.numel() * t.element_size() for st in optim.state.values() for t in st.values()
+                   if isinstance(t, torch.Tensor))
+
+    def held_grad_bytes(self) -> int:
+        if self.key == "f_z2":
+            return int(self.opt.grad_shard_bytes())
+        return sum(p.grad.numel() * p.grad.element_size() for p in self.params if p.grad is not None)
+
+
+def make_peer(key: str, base: torch.nn.Module, lr: float, bucket_mb: int, ddp_kw: Dict[str, Any]) -> Peer:
+    from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from funcopt.distributed import ZeroRedundancyOptimizer as FZero
+
+    model = copy.deepcopy(base)
+    if key == "ddp_adam":
+        opt = torch.optim.Adam(model.parameters(), lr=lr, fused=True)
+    elif key in ("torch_zero", "torch_zero_bv"):
+        opt = TorchZero(model.parameters(), optimizer_class=torch.optim.Adam,
+                        parameters_as_bucket_view=(key == "torch_zero_bv"), lr=lr, fused=True)
+    elif key in ("f_flat", "f_greedy", "f_flat_bv"):
+        opt = FZero(model.parameters(), torch.optim.Adam, parameters_as_bucket_view=(key == "f_flat_bv"),
+                    partition="greedy" if key == "f_greedy" else "flat", bucket_size_mb=bucket_mb, lr=lr)
+    elif key == "f_z2":
+        opt = FZero(model.parameters(), torch.optim.Adam, zero_stage=2, bucket_size_mb=bucket_mb, lr=lr)
+    else:
+        raise ValueError(key)
+    # DDP after the optimizer: bucket views replace p.data, DDP must see the final storage.
+    net = model if key == "f_z2" else DDP(model, **ddp_kw)
+    return Peer(key, model, net, opt)
+
+
+def train_step(peer: Peer, x: torch.Tensor, y: torch.Tensor, between: Optional[Callable[[], None]] = None) -> Tuple[float, float]:
+    t0 = time.perf_counter()
+    peer.opt.zero_grad(set_to_none=True)
+    loss = torch.nn.functional.mse_loss(peer.net(x), y)
+    loss.backward()
+    t1 = time.perf_counter()
+    if between is not None:
+        between()
+    t2 = time.perf_counter()
+    peer.opt.step()
+    t3 = time.perf_counter()
+    return t1 - t0, t3 - t2
+
+
+# ------------------------------------------------------------------ measurements
+def comm_floors(n_params: int, world: int, bucket_mb: int, reps: int) -> Dict[str, float]:
+    """Medians (s) of the bare gloo collectives a step needs, at this model's sizes."""
+    shard = -(-n_params // world)
+    per_rank = max(1, bucket_mb * MiB // world // 4)
+    mine = torch.randn(shard)
+    outs = list(torch.empty(world, shard).unbind(0))
+    full = torch.randn(n_params)
+    res: Dict[str, List[float]] = {"all_gather (1 call, P/W per rank)": [], "all_gather (bucketed like funcopt)": [],
+                                   "all_reduce (P, 25 MiB buckets like DDP)": [],
+                                   "broadcast (P/W from each rank)": []}
+    for _ in range(reps):
+        dist.barrier()
+        t = time.perf_counter()
+        dist.all_gather(outs, mine)
+        res["all_gather (1 call, P/W per rank)"].append(time.perf_counter() - t)
+        dist.barrier()
+        t = time.perf_counter()
+        for lo in range(0, shard, per_rank):
+            hi = min(shard, lo + per_rank)
+            dist.all_gather([o[lo:hi] for o in outs], mine[lo:hi].clone())
+        res["all_gather (bucketed like funcopt)"].append(time.perf_counter() - t)
+        dist.barrier()
+        t = time.perf_counter()
+        step = 25 * MiB // 4
+        for lo in range(0, n_params, step):
+            dist.all_reduce(full[lo:lo + step])
+        res["all_reduce (P, 25 MiB buckets like DDP)"].append(time.perf_counter() - t)
+        dist.barrier()
+        t = time.perf_counter()
+        for r in range(world):
+            dist.broadcast(outs[r], src=r)
+        res["broadcast (P/W from each rank)"].append(time.perf_counter() - t)
+    return {k: statistics.median(v) for k, v in res.items()}
+
+
+def memcpy_floor(n_params: int, reps: int) -> float:
+    a, b = torch.randn(n_params), torch.empty(n_params)
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        b.copy_(a)
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts)
+
+
+def step_breakdown(peer: Peer, batches: List[Tuple[torch.Tensor, torch.Tensor]], reps: int) -> Dict[str, Any]:
+    """Profile ``opt.step()`` alone (fwd/bwd outside the profiler); average ms per step by name."""
+    from torch.profiler import ProfilerActivity, profile
+
+    totals: Dict[str, List[float]] = {}
+    for k in range(reps):
+        x, y = batches[k % len(batches)]
+        peer.opt.zero_grad(set_to_none=True)
+        torch.nn.functional.mse_loss(peer.net(x), y).backward()
+        dist.barrier()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            peer.opt.step()
+        for e in prof.key_averages():
+            t = totals.setdefault(e.key, [0.0, 0.0, 0])
+            t[0] += e.cpu_time_total / 1e3
+            t[1] += e.self_cpu_time_total / 1e3
+            t[2] += e.count
+    return {k: (v[0] / reps, v[1] / reps, v[2] / reps) for k, v in totals.items()}
+
+
+def write_trace(peer: Peer, batches: List[Tuple[torch.Tensor, torch.Tensor]], out_dir: str, rank: int) -> None:
+    from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
+
+    handler = tensorboard_trace_handler(out_dir, worker_name=f"{peer.key}_rank{rank}")
+    with profile(activities=[ProfilerActivity.CPU], schedule=schedule(wait=1, warmup=1, active=3),
+                 on_trace_ready=handler, profile_memory=True, with_stack=False) as prof:
+        for k in range(5):
+            x, y = batches[k % len(batches)]
+            dist.barrier()
+            train_step(peer, x, y)
+            prof.step()
+
+
+# ------------------------------------------------------------------------ worker
+def worker(rank: int, world: int, init_method: str, args: argparse.Namespace) -> None:
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=args.timeout))
+    try:
+        run(rank, world, args)
+    finally:
+        dist.destroy_process_group()
+
+
+def run(rank: int, world: int, args: argparse.Namespace) -> None:
+    threads = args.threads or max(1, (os.cpu_count() or 1) // world)
+    torch.set_num_threads(threads)
+    say = print if rank == 0 else (lambda *a, **k: None)
+    keys = [k.strip() for k in args.peers.split(",") if k.strip()]
+    for k in keys:
+        if k not in PEERS:
+            raise SystemExit(f"unknown peer {k!r}; choose from {', '.join(PEERS)}")
+    base = build_model(args.params, args.width, args.seed)
+    n_params = sum(p.numel() for p in base.parameters())
+    n_tensors = len(list(base.parameters()))
+    batches = make_batches(4, world, rank, args.batch, args.width, args.seed)
+    ddp_kw = dict(gradient_as_bucket_view=args.grad_as_bucket_view)
+    say(f"# benchmarks/zero.py: W={world}, {n_params:,} fp32 parameters in {n_tensors} tensors "
+        f"({n_tensors // 2} x Linear({args.width},{args.width})), batch {args.batch}/rank, {threads} thread(s)/rank, "
+        f"gloo, torch {torch.__version__}, {platform.machine()} {os.cpu_count()} cores, "
+        f"iters {args.iters} after {args.warmup} warm-up, bucket {args.bucket_size_mb} MiB", flush=True)
+    t = time.perf_counter()
+    peers = [make_peer(k, base, args.lr, args.bucket_size_mb, ddp_kw) for k in keys]
+    say(f"# built {len(peers)} peers in {time.perf_counter() - t:.1f} s", flush=True)
+
+    total = args.warmup + args.iters
+    measure_at = args.warmup - 1 if args.warmup > 0 else 0
+    for it in range(total):
+        x, y = batches[it % len(batches)]
+        for j in range(len(peers)):
+            peer = peers[(it + j) % len(peers)]
+            between = None
+            if it == measure_at:
+                def between(p: Peer = peer) -> None:
+                    p.grad_bytes = p.held_grad_bytes()
+            dist.barrier()
+            fb, st = train_step(peer, x, y, between)
+            if it >= args.warmup:
+                peer.fb.append(fb)
+                peer.st.append(st)
+        if rank == 0 and not args.quiet:
+            print(f"\r# iteration {it + 1}/{total}", end="", file=sys.stderr, flush=True)
+    if rank == 0 and not args.quiet:
+        print(file=sys.stderr)
+
+    # Peak gradient bytes during backward (one extra, untimed step per peer).
+    for peer in peers:
+        hooks = []
+        peer.grad_peak = 0
+
+        def sample(_p: torch.Tensor, pe: Peer = peer) -> None:
+            pe.grad_peak = max(pe.grad_peak, pe.held_grad_bytes())
+
+        for p in peer.params:
+            hooks.append(p.register_post_accumulate_grad_hook(sample))
+        x, y = batches[0]
+        dist.barrier()
+        train_step(peer, x, y)
+        for h in hooks:
+            h.remove()
+    extra_steps = 1
+
+    # Correctness: every peer did the same steps on the same data.
+    ref = next((p for p in peers if p.key == "ddp_adam"), None)
+    diffs = {}
+    for peer in peers:
+        if ref is not None:
+            diffs[peer.key] = max((a.detach() - b.detach()).abs().max().item() for a, b in zip(ref.params, peer.params))
+
+    breakdown = {}
+    if not args.no_breakdown:
+        for peer in peers:
+            if peer.key != "ddp_adam":
+                breakdown[peer.key] = step_breakdown(peer, batches, 3)
+        floors = comm_floors(n_params, world, args.bucket_size_mb, 5)
+    else:
+        floors = {}
+    copy_s = memcpy_floor(n_params, 5)
+
+    if args.profile:
+        target = next((p for p in peers if p.key == args.profile_peer), None)
+        if target is None:
+            raise SystemExit(f"--profile-peer {args.profile_peer} is not among --peers")
+        write_trace(target, batches, args.profile_dir, rank)
+        say(f"# TensorBoard trace of {target.name} written to {args.profile_dir}/ "
+            f"(tensorboard --logdir {args.profile_dir})", flush=True)
+
+    mine = {p.key: dict(fb=p.fb, st=p.st, state=p.state_bytes(), grad=p.grad_bytes, grad_peak=p.grad_peak)
+            for p in peers}
+    everyone: List[Any] = [None] * world
+    dist.all_gather_object(everyone, mine)
+    if rank != 0:
+        return
+    report(args, world, n_params, n_tensors, peers, everyone, diffs, breakdown, floors, copy_s)
+
+
+# ------------------------------------------------------------------------ report
+def report(args, world, n_params, n_tensors, peers, everyone, diffs, breakdown, floors, copy_s) -> None:
+    res: Dict[str, Any] = {}
+    for peer in peers:
+        k = peer.key
+        fb = [max(everyone[r][k]["fb"][i] for r in range(world)) for i in range(args.iters)]
+        st = [max(everyone[r][k]["st"][i] for r in range(world)) for i in range(args.iters)]
+        tot = [max(everyone[r][k]["fb"][i] + everyone[r][k]["st"][i] for r in range(world)) for i in range(args.iters)]
+        res[k] = dict(name=peer.name, fb=statistics.median(fb), st=statistics.median(st), total=statistics.median(tot),
+                      st_min=min(st), st_max=max(st),
+                      state=[everyone[r][k]["state"] for r in range(world)],
+                      grad=[everyone[r][k]["grad"] for r in range(world)],
+                      grad_peak=[everyone[r][k]["grad_peak"] for r in range(world)])
+    ref = res.get("ddp_adam")
+    tz = res.get("torch_zero")
+    print()
+    print(f"## Time per training step (ms; median over {args.iters} steps of the slowest rank)")
+    print()
+    hdr = "| peer | fwd+bwd | step+sync | step+sync min..max | total | step+sync / DDP+Adam | step+sync / torch ZeRO | total / DDP+Adam |"
+    print(hdr)
+    print("|" + "|".join(["---"] + ["--:"] * 7) + "|")
+    for k, r in res.items():
+        vs_ref = f"{r['st'] / ref['st']:.2f}x" if ref else "-"
+        vs_tz = f"{r['st'] / tz['st']:.2f}x" if tz else "-"
+        tot_ref = f"{r['total'] / ref['total']:.2f}x" if ref else "-"
+        print(f"| {r['name']} | {r['fb'] * 1e3:.1f} | {r['st'] * 1e3:.1f} | {r['st_min'] * 1e3:.1f}..{r['st_max'] * 1e3:.1f} "
+              f"| {r['total'] * 1e3:.1f} | {vs_ref} | {vs_tz} | {tot_ref} |")
+
+    p_bytes = n_params * 4
+    state_full = ref["state"][0] if ref else 2 * p_bytes + 4 * n_tensors
+    grad_full = ref["grad"][0] if ref else p_bytes
+    print()
+    print(f"## Memory per rank (parameters: {fmt_bytes(p_bytes)}; unsharded Adam state {fmt_bytes(state_full)}, "
+          f"1/W = {fmt_bytes(state_full / world)}; unsharded gradients {fmt_bytes(grad_full)}, 1/W = {fmt_bytes(grad_full / world)})")
+    print()
+    print("| peer | optimizer state per rank | state / unsharded | gradients held after backward | grads / unsharded | peak grads during backward |")
+    print("|---|--:|--:|--:|--:|--:|")
+    for k, r in res.items():
+        st = " / ".join(fmt_bytes(b) for b in r["state"])
+        gr = " / ".join(fmt_bytes(b) for b in r["grad"])
+        pk = " / ".join(fmt_bytes(b) for b in r["grad_peak"])
+        print(f"| {r['name']} | {st} | {max(r['state']) / state_full:.3f} | {gr} | {max(r['grad']) / grad_full:.3f} | {pk} |")
+    print()
+    print("(per-rank figures are rank 0 / rank 1 / ...; the ratio uses the largest rank)")
+    if args.grad_as_bucket_view:
+        print("(DDP gradient_as_bucket_view=True: p.grad are views into DDP's buckets)")
+    else:
+        print(f"(DDP peers also hold DDP's reducer buckets, another {fmt_bytes(p_bytes)} of gradient copies, "
+              "not counted above: DDP's default gradient_as_bucket_view=False)")
+
+    if diffs:
+        print()
+        print("## Agreement with DDP+Adam after the same steps: max |param difference| "
+              + ", ".join(f"{res[k]['name']}: {v:.1e}" for k, v in diffs.items() if k != "ddp_adam"))
+
+    if floors:
+        print()
+        print(f"## Floors on this machine (ms, median of 5): gloo collectives at this model's sizes; "
+              f"one {fmt_bytes(p_bytes)} memcpy = {copy_s * 1e3:.1f} ms ({p_bytes / copy_s / 1e9:.1f} GB/s)")
+        print()
+        for k, v in floors.items():
+            moved = p_bytes * (world - 1) / world if "gather" in k or "broadcast" in k else p_bytes
+            print(f"- {k}: {v * 1e3:.1f} ms ({moved / v / 1e9:.2f} GB/s of data received per rank)")
+
+    if breakdown:
+        print()
+        print("## Where step() spends its time (rank 0, torch.profiler, ms per step: total incl. children / self)")
+        for k, rows in breakdown.items():
+            print()
+            print(f"{res[k]['name']}:")
+            top = [(n, v) for n, v in rows.items() if n.startswith(("funcopt::", "Optimizer.step", "gloo:"))]
+            other = sorted(((n, v) for n, v in rows.items() if not n.startswith(("funcopt::", "Optimizer.step", "gloo:"))),
+                           key=lambda nv: -nv[1][1])[:6]
+            for n, (tot, slf, cnt) in sorted(top, key=lambda nv: -nv[1][0]) + other:
+                print(f"    {n:<45} {tot:9.2f} {slf:9.2f}   x{cnt:g}")
+
+    verdicts = []
+    if ref:
+        for k in ("f_flat", "f_greedy", "f_flat_bv"):
+            if k in res:
+                ratio = res[k]["st"] / ref["st"]
+                verdicts.append(f"{res[k]['name']} step+sync <= 1.1x DDP+Adam(fused): {ratio:.2f}x -> "
+                                f"{'MET' if ratio <= 1.1 else 'MISSED'}")
+    if tz:
+        for k in ("f_flat", "f_greedy", "f_flat_bv"):
+            if k in res:
+                ratio = res[k]["st"] / tz["st"]
+                verdicts.append(f"{res[k]['name']} step+sync faster than torch ZeRO: {ratio:.2f}x -> "
+                                f"{'MET' if ratio < 1.0 else 'MISSED'}")
+    bucket = args.bucket_size_mb * MiB
+    for k in ("f_flat", "f_greedy", "f_flat_bv", "f_z2"):
+        if k in res:
+            worst = max(res[k]["state"])
+            ok = worst <= state_full / world + bucket
+            verdicts.append(f"{res[k]['name']} state per rank <= 1/W + one bucket: {fmt_bytes(worst)} vs "
+                            f"{fmt_bytes(state_full / world)} + {fmt_bytes(bucket)} -> {'MET' if ok else 'MISSED'} "
+                            f"(excess over 1/W: {fmt_bytes(worst - state_full / world)})")
+    if "f_z2" in res:
+        worst = max(res["f_z2"]["grad"])
+        ratio = worst / grad_full
+        verdicts.append(f"funcopt ZeRO-2 gradient bytes per rank about 1/W: {ratio:.3f} of unsharded "
+                        f"(1/W = {1 / world:.3f}; peak during backward {max(res['f_z2']['grad_peak']) / grad_full:.3f}) -> "
+                        f"{'MET' if ratio <= 1 / world * 1.02 + 1e-9 else 'MISSED'}")
+    print()
+    print("## Targets")
+    print()
+    for v in verdicts:
+        print(f"- {v}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(args=vars(args), world=world, n_params=n_params, results=res, floors=floors,
+                           memcpy_s=copy_s, diffs=diffs), f, indent=1)
+
+
+# -------------------------------------------------------------------------- main
+def main(argv: Optional[List[str]] = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--world-size", type=int, default=2, help="processes to spawn (ignored under torchrun)")
+    ap.add_argument("--params", type=parse_size, default=parse_size("16M"), help="model size, e.g. 16M, 64M (default 16M)")
+    ap.add_argument("--width", type=int, default=1024, help="Linear layer width (default 1024)")
+    ap.add_argument("--batch", type=int, default=32, help="batch per rank (default 32)")
+    ap.add_argument("--iters", type=int, default=20, help="timed steps per peer (default 20)")
+    ap.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
+    ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads per rank (default cores // W)")
+    ap.add_argument("--bucket-size-mb", type=int, default=25, help="funcopt bucket size (default 25)")
+    ap.add_argument("--grad-as-bucket-view", action="store_true", help="DDP(gradient_as_bucket_view=True)")
+    ap.add_argument("--peers", default=",".join(PEERS), help=f"comma-separated subset of {','.join(PEERS)}")
+    ap.add_argument("--no-breakdown", action="store_true", help="skip the profiler breakdown and the collective floors")
+    ap.add_argument("--profile", action="store_true", help="write a TensorBoard trace of --profile-peer")
+    ap.add_argument("--profile-peer", default="f_flat", help="peer to trace (default f_flat)")
+    ap.add_argument("--profile-dir", default="runs/zero")
+    ap.add_argument("--json", default=None, help="also write the raw figures here")
+    ap.add_argument("--timeout", type=float, default=600, help="process-group timeout in seconds")
+    ap.add_argument("--quiet", action="store_true", help="no iteration counter on stderr")
+    args = ap.parse_args(argv)
+
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), "env://", args)
+        return
+    tmp = tempfile.mkdtemp(prefix="funcopt_zero_bench_")
+    try:
+        mp.spawn(worker, args=(args.world_size, f"file://{tmp}/rdzv", args), nprocs=args.world_size, join=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
