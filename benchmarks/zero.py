@@ -19,6 +19,12 @@ each), so clock drift and background load hit all peers alike:
 * ``f_greedy``      DDP + funcopt ZeRO-1, ``partition="greedy"``
 * ``f_flat_bv``     DDP + funcopt ZeRO-1 flat, ``parameters_as_bucket_view=True``
 * ``f_z2``          funcopt ZeRO-2 (no DDP: gradients reduce-scattered during backward)
+* ``p_flat_bcast``, ``p_flat_bv_bcast``: NOT funcopt as shipped -- a
+  benchmark-local subclass of funcopt's ZeRO-1 (flat; without / with bucket
+  view) whose parameter sync issues one gloo broadcast per owner and range
+  (straight into the parameters or the flat buffer) instead of the
+  all-gather: it measures a proposed fix (gloo's all-gather is several times
+  slower than broadcasts of the same bytes on loopback; see the floors).
 
 Each training step is timed in two parts: ``fwd+bwd`` (``zero_grad``, forward,
 backward; for DDP peers it includes the gradient all-reduce, for ZeRO-2 the
@@ -57,6 +63,7 @@ import statistics
 import sys
 import tempfile
 import time
+import warnings
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -73,6 +80,8 @@ PEERS = {
     "f_greedy": "DDP + funcopt ZeRO-1 greedy",
     "f_flat_bv": "DDP + funcopt ZeRO-1 flat (bucket view)",
     "f_z2": "funcopt ZeRO-2 (no DDP)",
+    "p_flat_bcast": "prototype: funcopt ZeRO-1 flat, broadcast sync",
+    "p_flat_bv_bcast": "prototype: funcopt ZeRO-1 flat (bucket view), broadcast sync",
 }
 MiB = 1024 * 1024
 
@@ -121,7 +130,7 @@ class Peer:
         self.grad_peak = 0
 
     def is_funcopt(self) -> bool:
-        return self.key.startswith("f_")
+        return self.key.startswith(("f_", "p_"))
 
     def state_bytes(self) -> int:
         if self.is_funcopt():
@@ -134,6 +143,33 @@ class Peer:
         if self.key == "f_z2":
             return int(self.opt.grad_shard_bytes())
         return sum(p.grad.numel() * p.grad.element_size() for p in self.params if p.grad is not None)
+
+
+def broadcast_sync_class() -> type:
+    """PROTOTYPE (benchmark-local, uses funcopt internals): ZeRO-1 whose parameter
+    sync is one async broadcast per (owner, range) instead of a bucketed all-gather."""
+    from funcopt.distributed import ZeroRedundancyOptimizer as FZero
+
+    class BroadcastSyncZero(FZero):
+        def _sync_params(self, params: List[torch.Tensor]) -> None:
+            if self.world_size == 1:
+                return
+            pg = self.process_group
+            src = [r if pg is None else dist.get_global_rank(pg, r) for r in range(self.world_size)]
+            works = []
+            for key, space, lo, hi, plan in self._sync_plan:
+                for r in range(self.world_size):
+                    if self.parameters_as_bucket_view:
+                        buf = self._buffers[key]
+                        targets = [buf[r * space.shard + lo: r * space.shard + hi]]
+                    else:
+                        targets = [p.detach().view(-1)[a: a + take] for p, a, take, _ in plan[r]]
+                    for t in targets:
+                        works.append(dist.broadcast(t, src=src[r], group=pg, async_op=True))
+            for w in works:
+                w.wait()
+
+    return BroadcastSyncZero
 
 
 def make_peer(key: str, base: torch.nn.Module, lr: float, bucket_mb: int, ddp_kw: Dict[str, Any]) -> Peer:
@@ -151,6 +187,10 @@ def make_peer(key: str, base: torch.nn.Module, lr: float, bucket_mb: int, ddp_kw
     elif key in ("f_flat", "f_greedy", "f_flat_bv"):
         opt = FZero(model.parameters(), torch.optim.Adam, parameters_as_bucket_view=(key == "f_flat_bv"),
                     partition="greedy" if key == "f_greedy" else "flat", bucket_size_mb=bucket_mb, lr=lr)
+    elif key in ("p_flat_bcast", "p_flat_bv_bcast"):
+        opt = broadcast_sync_class()(model.parameters(), torch.optim.Adam,
+                                     parameters_as_bucket_view=(key == "p_flat_bv_bcast"),
+                                     bucket_size_mb=bucket_mb, lr=lr)
     elif key == "f_z2":
         opt = FZero(model.parameters(), torch.optim.Adam, zero_stage=2, bucket_size_mb=bucket_mb, lr=lr)
     else:
@@ -175,39 +215,78 @@ def train_step(peer: Peer, x: torch.Tensor, y: torch.Tensor, between: Optional[C
 
 
 # ------------------------------------------------------------------ measurements
-def comm_floors(n_params: int, world: int, bucket_mb: int, reps: int) -> Dict[str, float]:
-    """Medians (s) of the bare gloo collectives a step needs, at this model's sizes."""
+def comm_floors(n_params: int, world: int, bucket_mb: int, reps: int) -> Dict[str, Tuple[float, int]]:
+    """Bare gloo collectives at this model's sizes: {what: (median seconds, bytes received per rank)}.
+
+    ``P`` = all parameters, ``P/W`` = one rank's shard; "bucketed" cuts the
+    shard into the same per-rank chunks as funcopt (``bucket_mb / W``).
+    """
     shard = -(-n_params // world)
     per_rank = max(1, bucket_mb * MiB // world // 4)
     mine = torch.randn(shard)
     outs = list(torch.empty(world, shard).unbind(0))
-    full = torch.randn(n_params)
-    res: Dict[str, List[float]] = {"all_gather (1 call, P/W per rank)": [], "all_gather (bucketed like funcopt)": [],
-                                   "all_reduce (P, 25 MiB buckets like DDP)": [],
-                                   "broadcast (P/W from each rank)": []}
-    for _ in range(reps):
-        dist.barrier()
-        t = time.perf_counter()
+    flat_out = torch.empty(world * shard)
+    full = torch.randn(world * shard)
+    rs_out = torch.empty(shard)
+    gathered = (world - 1) * shard * 4
+    rank = dist.get_rank()
+
+    def ag_list() -> None:
         dist.all_gather(outs, mine)
-        res["all_gather (1 call, P/W per rank)"].append(time.perf_counter() - t)
-        dist.barrier()
-        t = time.perf_counter()
+
+    def ag_bucketed() -> None:
         for lo in range(0, shard, per_rank):
             hi = min(shard, lo + per_rank)
             dist.all_gather([o[lo:hi] for o in outs], mine[lo:hi].clone())
-        res["all_gather (bucketed like funcopt)"].append(time.perf_counter() - t)
-        dist.barrier()
-        t = time.perf_counter()
+
+    def ag_single() -> None:
+        dist.all_gather_into_tensor(flat_out, mine)
+
+    def bcast() -> None:
+        works = [dist.broadcast(outs[r][lo:lo + per_rank], src=r, async_op=True)
+                 for lo in range(0, shard, per_rank) for r in range(world)]
+        for w in works:
+            w.wait()
+
+    def p2p() -> None:
+        ops = []
+        for r in range(world):
+            if r != rank:
+                ops += [dist.P2POp(dist.isend, mine, r), dist.P2POp(dist.irecv, outs[r], r)]
+        for w in dist.batch_isend_irecv(ops):
+            w.wait()
+
+    def allreduce() -> None:
         step = 25 * MiB // 4
         for lo in range(0, n_params, step):
-            dist.all_reduce(full[lo:lo + step])
-        res["all_reduce (P, 25 MiB buckets like DDP)"].append(time.perf_counter() - t)
-        dist.barrier()
-        t = time.perf_counter()
-        for r in range(world):
-            dist.broadcast(outs[r], src=r)
-        res["broadcast (P/W from each rank)"].append(time.perf_counter() - t)
-    return {k: statistics.median(v) for k, v in res.items()}
+            dist.all_reduce(full[lo:min(lo + step, n_params)])
+
+    def reduce_scatter() -> None:
+        for lo in range(0, shard, per_rank):
+            hi = min(shard, lo + per_rank)
+            dist.reduce_scatter_tensor(rs_out[lo:hi], torch.cat([full[r * shard + lo: r * shard + hi] for r in range(world)]))
+
+    cases = [
+        ("all_gather, list outputs, 1 call (P/W per rank)", ag_list, gathered),
+        ("all_gather, list outputs, bucketed like funcopt", ag_bucketed, gathered),
+        ("all_gather_into_tensor, 1 call", ag_single, gathered),
+        ("broadcast from each owner, bucketed, async", bcast, gathered),
+        ("isend/irecv of the shard to every peer", p2p, gathered),
+        ("all_reduce of P in 25 MiB buckets (DDP's traffic)", allreduce, n_params * 4),
+        ("reduce_scatter_tensor of P, bucketed (ZeRO-2's traffic)", reduce_scatter, shard * 4),
+    ]
+    res: Dict[str, Tuple[float, int]] = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # all_gather_into_tensor's rename notice
+        for name, fn, nbytes in cases:
+            ts = []
+            for _ in range(reps):
+                dist.barrier()
+                t = time.perf_counter()
+                fn()
+                ts.append(time.perf_counter() - t)
+            res[name] = (statistics.median(ts), nbytes)
+    return res
 
 
 def memcpy_floor(n_params: int, reps: int) -> float:
@@ -220,24 +299,40 @@ def memcpy_floor(n_params: int, reps: int) -> float:
     return statistics.median(ts)
 
 
-def step_breakdown(peer: Peer, batches: List[Tuple[torch.Tensor, torch.Tensor]], reps: int) -> Dict[str, Any]:
-    """Profile ``opt.step()`` alone (fwd/bwd outside the profiler); average ms per step by name."""
-    from torch.profiler import ProfilerActivity, profile
+def step_breakdown(peers: List[Peer], batches: List[Tuple[torch.Tensor, torch.Tensor]], reps: int) -> Dict[str, Any]:
+    """One profiler session over ``reps`` training steps of every peer.
 
-    totals: Dict[str, List[float]] = {}
-    for k in range(reps):
-        x, y = batches[k % len(batches)]
-        peer.opt.zero_grad(set_to_none=True)
-        torch.nn.functional.mse_loss(peer.net(x), y).backward()
-        dist.barrier()
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            peer.opt.step()
-        for e in prof.key_averages():
-            t = totals.setdefault(e.key, [0.0, 0.0, 0])
-            t[0] += e.cpu_time_total / 1e3
-            t[1] += e.self_cpu_time_total / 1e3
-            t[2] += e.count
-    return {k: (v[0] / reps, v[1] / reps, v[2] / reps) for k, v in totals.items()}
+    Each ``opt.step()`` runs inside a ``bench::step::<peer>`` range; every
+    event (any thread: gloo runs its collectives on its own threads) that
+    starts inside that range is charged to the peer's step.  Returns, per
+    peer, {event name: (total ms, self ms, calls)} per step.
+    """
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for k in range(reps):
+            x, y = batches[k % len(batches)]
+            for peer in peers:
+                peer.opt.zero_grad(set_to_none=True)
+                torch.nn.functional.mse_loss(peer.net(x), y).backward()
+                dist.barrier()
+                with record_function(f"bench::step::{peer.key}"):
+                    peer.opt.step()
+    events = list(prof.events())
+    windows = [(e.name[len("bench::step::"):], e.time_range.start, e.time_range.end)
+               for e in events if e.name.startswith("bench::step::")]
+    out: Dict[str, Dict[str, List[float]]] = {}
+    for e in events:
+        if e.name.startswith("bench::step::"):
+            continue
+        for key, lo, hi in windows:
+            if lo <= e.time_range.start < hi:
+                t = out.setdefault(key, {}).setdefault(e.name, [0.0, 0.0, 0])
+                t[0] += e.cpu_time_total / 1e3
+                t[1] += e.self_cpu_time_total / 1e3
+                t[2] += 1
+                break
+    return {key: {n: (v[0] / reps, v[1] / reps, v[2] / reps) for n, v in rows.items()} for key, rows in out.items()}
 
 
 def write_trace(peer: Peer, batches: List[Tuple[torch.Tensor, torch.Tensor]], out_dir: str, rank: int) -> None:
@@ -279,7 +374,8 @@ def run(rank: int, world: int, args: argparse.Namespace) -> None:
     say(f"# benchmarks/zero.py: W={world}, {n_params:,} fp32 parameters in {n_tensors} tensors "
         f"({n_tensors // 2} x Linear({args.width},{args.width})), batch {args.batch}/rank, {threads} thread(s)/rank, "
         f"gloo, torch {torch.__version__}, {platform.machine()} {os.cpu_count()} cores, "
-        f"iters {args.iters} after {args.warmup} warm-up, bucket {args.bucket_size_mb} MiB", flush=True)
+        f"iters {args.iters} after {args.warmup} warm-up, bucket {args.bucket_size_mb} MiB, "
+        f"load average {os.getloadavg()[0]:.1f}", flush=True)
     t = time.perf_counter()
     peers = [make_peer(k, base, args.lr, args.bucket_size_mb, ddp_kw) for k in keys]
     say(f"# built {len(peers)} peers in {time.perf_counter() - t:.1f} s", flush=True)
@@ -330,9 +426,7 @@ def run(rank: int, world: int, args: argparse.Namespace) -> None:
 
     breakdown = {}
     if not args.no_breakdown:
-        for peer in peers:
-            if peer.key != "ddp_adam":
-                breakdown[peer.key] = step_breakdown(peer, batches, 3)
+        breakdown = step_breakdown(peers, batches, 3)
         floors = comm_floors(n_params, world, args.bucket_size_mb, 5)
     else:
         floors = {}
@@ -407,22 +501,26 @@ def report(args, world, n_params, n_tensors, peers, everyone, diffs, breakdown, 
 
     if diffs:
         print()
-        print("## Agreement with DDP+Adam after the same steps: max |param difference| "
-              + ", ".join(f"{res[k]['name']}: {v:.1e}" for k, v in diffs.items() if k != "ddp_adam"))
+        print("## Agreement with DDP+Adam after the same steps (max |parameter difference|)")
+        print()
+        for k, v in diffs.items():
+            if k != "ddp_adam":
+                print(f"- {res[k]['name']}: {v:.1e}")
 
     if floors:
         print()
         print(f"## Floors on this machine (ms, median of 5): gloo collectives at this model's sizes; "
               f"one {fmt_bytes(p_bytes)} memcpy = {copy_s * 1e3:.1f} ms ({p_bytes / copy_s / 1e9:.1f} GB/s)")
         print()
-        for k, v in floors.items():
-            moved = p_bytes * (world - 1) / world if "gather" in k or "broadcast" in k else p_bytes
-            print(f"- {k}: {v * 1e3:.1f} ms ({moved / v / 1e9:.2f} GB/s of data received per rank)")
+        for k, (v, moved) in floors.items():
+            print(f"- {k}: {v * 1e3:.1f} ms ({moved / v / 1e9:.2f} GB/s of result per rank)")
 
     if breakdown:
         print()
         print("## Where step() spends its time (rank 0, torch.profiler, ms per step: total incl. children / self)")
         for k, rows in breakdown.items():
+            if k not in res:
+                continue
             print()
             print(f"{res[k]['name']}:")
             top = [(n, v) for n, v in rows.items() if n.startswith(("funcopt::", "Optimizer.step", "gloo:"))]
@@ -433,13 +531,13 @@ def report(args, world, n_params, n_tensors, peers, everyone, diffs, breakdown, 
 
     verdicts = []
     if ref:
-        for k in ("f_flat", "f_greedy", "f_flat_bv"):
+        for k in ("f_flat", "f_greedy", "f_flat_bv", "p_flat_bcast", "p_flat_bv_bcast"):
             if k in res:
                 ratio = res[k]["st"] / ref["st"]
                 verdicts.append(f"{res[k]['name']} step+sync <= 1.1x DDP+Adam(fused): {ratio:.2f}x -> "
                                 f"{'MET' if ratio <= 1.1 else 'MISSED'}")
     if tz:
-        for k in ("f_flat", "f_greedy", "f_flat_bv"):
+        for k in ("f_flat", "f_greedy", "f_flat_bv", "p_flat_bcast", "p_flat_bv_bcast"):
             if k in res:
                 ratio = res[k]["st"] / tz["st"]
                 verdicts.append(f"{res[k]['name']} step+sync faster than torch ZeRO: {ratio:.2f}x -> "
@@ -458,6 +556,8 @@ def report(args, world, n_params, n_tensors, peers, everyone, diffs, breakdown, 
         verdicts.append(f"funcopt ZeRO-2 gradient bytes per rank about 1/W: {ratio:.3f} of unsharded "
                         f"(1/W = {1 / world:.3f}; peak during backward {max(res['f_z2']['grad_peak']) / grad_full:.3f}) -> "
                         f"{'MET' if ratio <= 1 / world * 1.02 + 1e-9 else 'MISSED'}")
+    print()
+    print(f"# load average at the end: {os.getloadavg()[0]:.1f}")
     print()
     print("## Targets")
     print()
