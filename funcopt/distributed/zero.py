@@ -265,9 +265,11 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self._pending = [sum(1 for i in c[5] if params[i].requires_grad) for c in self._z2_chunks]
         self._issued = [False] * len(self._z2_chunks)
         self._next = len(self._z2_chunks) - 1  # chunks are issued in descending order on every rank
+        self._round_active = False  # a backward has started feeding this round of chunks
 
     def _make_hook(self, i: int) -> Callable[[Tensor], None]:
         def hook(p: Tensor) -> None:
+            self._round_active = True
             for j in self._chunks_of.get(i, ()):
                 self._pending[j] -= 1
             self._issue_ready(force=False)
@@ -300,18 +302,23 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             for i in members:  # free full gradients whose chunks are all issued
                 if all(self._issued[k] for k in self._chunks_of[i]):
                     params[i].grad = None
+        if self._next < 0:
+            # round complete: a further backward (gradient accumulation) starts a
+            # new round whose results add into the same shard
+            self._reset_backward()
 
     def _zero2_grads(self, params: List[Tensor]) -> List[Optional[Tensor]]:
-        self._issue_ready(force=True)
+        if self._round_active:  # chunks whose gradients never all arrived: missing ones count as zero
+            self._issue_ready(force=True)
         self._bucketer.flush()
         out: List[Optional[Tensor]] = []
         for s in self._segments:
             p = params[s.param]
-            if not p.requires_grad:
+            shard = self._grad_shards.get(str(p.dtype).replace("torch.", ""))
+            if not p.requires_grad or shard is None:
                 out.append(None)
                 continue
-            key = str(p.dtype).replace("torch.", "")
-            out.append(self._grad_shards[key][s.offset: s.offset + s.length])
+            out.append(shard[s.offset: s.offset + s.length])
         return out
 
     def zero_grad(self, set_to_none: bool = True) -> None:
