@@ -125,12 +125,13 @@ class Optimizer(torch.optim.Optimizer):
         self.torch_class([probe], **kwargs)
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
-        for p in (
-            [param_group["params"]]
-            if isinstance(param_group.get("params"), Tensor)
-            else list(param_group.get("params", []))
-        ):
-            if isinstance(p, Tensor) and p.is_complex():
+        params = param_group.get("params")
+        if params is not None and not isinstance(params, (Tensor, set)):
+            param_group = dict(param_group, params=list(params))  # a generator is read once
+            params = param_group["params"]
+        for p in [params] if isinstance(params, Tensor) else params or ():
+            t = p[1] if isinstance(p, tuple) and len(p) == 2 else p  # named parameters
+            if isinstance(t, Tensor) and t.is_complex():
                 raise ValueError("funcopt does not support complex parameters yet")
         # torch's checks: leaf tensors, duplicates, defaults filled in.
         n_before = len(self.param_groups)
