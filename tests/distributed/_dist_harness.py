@@ -1,0 +1,263 @@
+"""Shared machinery of the distributed tests: spawning ranks, the model, the data.
+
+Not a test module (pytest collects only ``test_*.py``).  The spawned children
+import this module and the ``_dist_*_work`` modules by name; ``conftest.py``
+puts this directory on ``sys.path`` and spawn hands ``sys.path`` to children.
+
+Rules every multi-process test here follows:
+
+* ``torch.multiprocessing`` with the *spawn* start method, gloo, a ``file://``
+  rendezvous in the test's temporary directory;
+* every collective is bounded by the process group's timeout
+  (:data:`COLLECTIVE_TIMEOUT`), the whole spawn by :func:`spawn`'s deadline and
+  every test by ``pytest.mark.timeout``;
+* ``destroy_process_group`` in ``finally``;
+* children return results with ``torch.save`` to a file (never a queue) and
+  write their traceback to ``error-rank<r>.txt``, which the parent turns into a
+  test failure;
+* one intra-op thread per child.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=30)
+
+# float32 tolerance for "same as single-process torch.optim": the all-reduce
+# (DDP) / reduce-scatter (ZeRO-2) sum the per-rank gradients in another order
+# than one full-batch backward does, so the last bits differ; 10-13 steps of
+# Adam/SGD/Adagrad on O(1) values stay far inside this.
+RTOL, ATOL = 1e-5, 1e-7
+
+
+# ----------------------------------------------------------------- spawning
+def _entry(rank: int, world: int, init_file: str, out_dir: str, fn: Callable, args: tuple) -> None:
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                                world_size=world, timeout=COLLECTIVE_TIMEOUT)
+        try:
+            fn(rank, world, out_dir, *args)
+        finally:
+            dist.destroy_process_group()
+    except BaseException:
+        Path(out_dir, f"error-rank{rank}.txt").write_text(traceback.format_exc())
+        raise
+
+
+@dataclass
+class SpawnResult:
+    world: int
+    out_dir: Path
+    exitcodes: List[Optional[int]]
+    errors: Dict[int, str]
+    seconds: float
+    killed: bool = False
+
+    def report(self) -> str:
+        lines = [f"spawn of {self.world} ranks in {self.out_dir} took {self.seconds:.1f}s; "
+                 f"exit codes {self.exitcodes}{' (killed at the deadline)' if self.killed else ''}"]
+        for r, text in sorted(self.errors.items()):
+            lines.append(f"---- rank {r} traceback ----\n{text}")
+        return "\n".join(lines)
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors and not self.killed and all(c == 0 for c in self.exitcodes)
+
+    def check(self) -> None:
+        assert self.ok, self.report()
+
+    def load(self, rank: int, name: str = "result") -> Any:
+        file = self.out_dir / f"{name}-rank{rank}.pt"
+        assert file.exists(), f"rank {rank} wrote no {file.name}\n" + self.report()
+        return torch.load(file, weights_only=False)
+
+
+def spawn(fn: Callable, world: int, workdir: Path, *args: Any, deadline: float = 150.0) -> SpawnResult:
+    """Run ``fn(rank, world, workdir, *args)`` on ``world`` spawned ranks; wait at most ``deadline`` s."""
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    init_file = workdir / "rendezvous"
+    assert not init_file.exists()
+    ctx = mp.get_context("spawn")
+    t0 = time.monotonic()
+    procs = [ctx.Process(target=_entry, args=(r, world, str(init_file), str(workdir), fn, args))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    killed = False
+    for p in procs:
+        p.join(max(0.1, deadline - (time.monotonic() - t0)))
+    for p in procs:  # only our own children, by handle
+        if p.is_alive():
+            killed = True
+            p.kill()
+            p.join(10)
+    errors = {}
+    for r in range(world):
+        f = workdir / f"error-rank{r}.txt"
+        if f.exists():
+            errors[r] = f.read_text()
+    return SpawnResult(world, workdir, [p.exitcode for p in procs], errors, time.monotonic() - t0, killed)
+
+
+def save(out_dir: str, rank: int, obj: Any, name: str = "result") -> None:
+    tmp = Path(out_dir, f"{name}-rank{rank}.pt.tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, Path(out_dir, f"{name}-rank{rank}.pt"))
+
+
+def run_cases(rank: int, out_dir: str, cases: Sequence[Dict[str, Any]], runner: Callable[[Dict[str, Any]], Any],
+              name: str = "result") -> None:
+    """Run ``runner(case)`` for each case in order, saving ``{case name: result}``.
+
+    An unexpected exception is recorded under the case's name (the parent shows
+    it for that case) and re-raised: the group may be out of step, so the rank
+    stops there; the cases after it are reported as not run.
+    """
+    results: Dict[str, Any] = {}
+    try:
+        for case in cases:
+            try:
+                results[case["name"]] = runner(case)
+            except BaseException:
+                results[case["name"]] = {"__error__": traceback.format_exc()}
+                raise
+    finally:
+        save(out_dir, rank, results, name)
+
+
+def case_result(spawned: SpawnResult, results: Dict[int, Dict[str, Any]], name: str, rank: int = 0) -> Any:
+    """The result of case ``name`` on ``rank``; fails with the child's traceback if it has none."""
+    res = results.get(rank)
+    if res is None or name not in res:
+        raise AssertionError(f"case {name!r} did not run on rank {rank}\n" + spawned.report())
+    value = res[name]
+    if isinstance(value, dict) and "__error__" in value:
+        raise AssertionError(f"case {name!r} failed on rank {rank}:\n{value['__error__']}\n" + spawned.report())
+    return value
+
+
+def load_all(spawned: SpawnResult, name: str = "result") -> Dict[int, Dict[str, Any]]:
+    out = {}
+    for r in range(spawned.world):
+        f = spawned.out_dir / f"{name}-rank{r}.pt"
+        if f.exists():
+            out[r] = torch.load(f, weights_only=False)
+    return out
+
+
+# ------------------------------------------------------------- model, data
+DIMS = {
+    "small": (6, 10, 5, 3),   # 70 + 55 + 18 = 143 elements, 6 tensors
+    "other": (6, 9, 5, 3),    # another model: different shapes
+    "big": (64, 96, 64, 10),  # ~13k elements: sizes where the padding is negligible
+    "wide": (256, 512, 128, 8),  # ~198k elements: several 1 MiB buckets at W=4
+}
+
+
+class Net(nn.Module):
+    """Three tanh layers; ``mixed`` makes the middle one float64; ``extra`` adds a
+    residual layer (the one added to the optimizer later); ``empty`` a
+    zero-element parameter that still gets a (zero-size) gradient."""
+
+    def __init__(self, kind: str = "small", mixed: bool = False, extra: bool = False, empty: bool = False):
+        super().__init__()
+        torch.manual_seed(0)
+        a, b, c, d = DIMS[kind]
+        self.l1 = nn.Linear(a, b)
+        self.l2 = nn.Linear(b, c)
+        self.l3 = nn.Linear(c, d)
+        self.extra = nn.Linear(d, d) if extra else None
+        self.empty = nn.Parameter(torch.zeros(0)) if empty else None
+        if mixed:
+            self.l2.double()
+        self.n_in, self.n_out = a, d
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.l1(x))
+        h = torch.tanh(self.l2(h.to(self.l2.weight.dtype))).to(x.dtype)
+        h = self.l3(h)
+        if self.extra is not None:
+            h = h + self.extra(h)
+        if self.empty is not None:
+            h = h + self.empty.sum()
+        return h
+
+
+BATCH = 16  # divisible by every world size used
+
+
+def batch(step: int, model: Net) -> tuple:
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(BATCH, model.n_in, generator=g), torch.randn(BATCH, model.n_out, generator=g)
+
+
+def local_slice(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    n = t.shape[0] // world
+    return t[rank * n:(rank + 1) * n]
+
+
+def allreduce_mean_grads(params: Sequence[torch.Tensor], group: Any = None) -> None:
+    """What DDP does, for the cases DDP cannot run (trainability changing between steps)."""
+    world = dist.get_world_size(group)
+    for p in params:
+        if p.grad is not None:
+            dist.all_reduce(p.grad, group=group)
+            p.grad.div_(world)
+
+
+def snapshot(params: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+    return [p.detach().clone() for p in params]
+
+
+def max_diff(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> float:
+    return max(((x.double() - y.double()).abs().max().item() if x.numel() else 0.0) for x, y in zip(a, b))
+
+
+def assert_tensors_close(got: Sequence[torch.Tensor], want: Sequence[torch.Tensor], what: str,
+                         rtol: float = RTOL, atol: float = ATOL) -> None:
+    assert len(got) == len(want), f"{what}: {len(got)} tensors, expected {len(want)}"
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert g.shape == w.shape and g.dtype == w.dtype, \
+            f"{what}[{i}]: {tuple(g.shape)} {g.dtype}, expected {tuple(w.shape)} {w.dtype}"
+        torch.testing.assert_close(g, w, rtol=rtol, atol=atol, msg=lambda m: f"{what}[{i}]: {m}")
+
+
+def assert_state_dict_close(got: Dict[str, Any], want: Dict[str, Any], what: str,
+                            rtol: float = RTOL, atol: float = ATOL) -> None:
+    """Same torch.optim format (keys, groups, per-parameter entries, shapes, dtypes), close values."""
+    assert set(got) == set(want) == {"state", "param_groups"}, f"{what}: top-level keys {sorted(got)}"
+    assert got["param_groups"] == want["param_groups"], \
+        f"{what}: param_groups differ:\n{got['param_groups']}\nexpected\n{want['param_groups']}"
+    assert sorted(got["state"]) == sorted(want["state"]), \
+        f"{what}: state ids {sorted(got['state'])}, expected {sorted(want['state'])}"
+    for pid, entry in want["state"].items():
+        mine = got["state"][pid]
+        assert sorted(mine) == sorted(entry), f"{what}: state[{pid}] keys {sorted(mine)}, expected {sorted(entry)}"
+        for name, w in entry.items():
+            g = mine[name]
+            assert isinstance(g, torch.Tensor) == isinstance(w, torch.Tensor), f"{what}: state[{pid}][{name}] type"
+            if not isinstance(w, torch.Tensor):
+                assert g == w, f"{what}: state[{pid}][{name}] = {g}, expected {w}"
+                continue
+            assert g.shape == w.shape and g.dtype == w.dtype, \
+                f"{what}: state[{pid}][{name}] is {tuple(g.shape)} {g.dtype}, expected {tuple(w.shape)} {w.dtype}"
+            torch.testing.assert_close(g, w, rtol=rtol, atol=atol, msg=lambda m: f"{what}: state[{pid}][{name}]: {m}")
+
+
+def state_tensor_bytes(sd: Dict[str, Any]) -> int:
+    return sum(t.numel() * t.element_size() for e in sd["state"].values() for t in e.values()
+               if isinstance(t, torch.Tensor))
