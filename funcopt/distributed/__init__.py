@@ -6,6 +6,7 @@ optimizer over its shard and calls ``step(grads)``.
 from ._comm import DistributedError
 from .bucketer import ReduceScatterBucketer
 from .layout import Layout, Segment, make_layout
+from .rpc import DistributedOptimizer
 from .zero import ZeroRedundancyOptimizer
 
-__all__ = ["DistributedError", "Layout", "ReduceScatterBucketer", "Segment", "ZeroRedundancyOptimizer", "make_layout"]
+__all__ = ["DistributedError", "DistributedOptimizer", "Layout", "ReduceScatterBucketer", "Segment", "ZeroRedundancyOptimizer", "make_layout"]

@@ -1,0 +1,216 @@
+"""DistributedOptimizer: a parameter-server optimizer over ``torch.distributed.rpc``.
+
+The trainer holds RRefs to parameters that live on other workers.  For each
+owner, :class:`DistributedOptimizer` creates (over RPC) a scripted funcopt
+optimizer of the parameters that worker owns.  ``step(context_id)`` asks every
+owner, concurrently, to fetch its gradients from the distributed autograd
+context and apply them; on the owner that whole step (gradient lookup and the
+fused or foreach kernel) is one TorchScript call, which runs without the GIL.
+A per-worker lock makes concurrent trainers apply whole steps one at a time.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed.autograd as dist_autograd
+import torch.distributed.rpc as rpc
+from torch import Tensor
+from torch.distributed.rpc.constants import UNSET_RPC_TIMEOUT
+from torch.profiler import record_function
+
+from .. import registry
+from ..script import quiet_jit, script, script_object
+
+# --------------------------------------------------------------- worker side
+
+
+class _StepCore:  # made a TorchScript interface on first use (nothing is scripted at import)
+    def step(self, grads: List[Optional[Tensor]], grad_scale: Optional[Tensor], found_inf: Optional[Tensor]) -> None:
+        pass
+
+
+def _apply_context(core: _StepCore, params: List[Tensor], context_id: int) -> None:
+    """Look up this worker's gradients in the autograd context and step (TorchScript)."""
+    found = dist_autograd.get_gradients(context_id)
+    grads: List[Optional[Tensor]] = []
+    for p in params:
+        grads.append(found.get(p))
+    core.step(grads, None, None)
+
+
+_STEP_LOCK = threading.Lock()  # one optimizer step at a time on this worker, whoever the trainer
+_SCRIPTED_APPLY: List[Any] = []
+
+
+def _scripted_apply() -> Any:
+    if not _SCRIPTED_APPLY:
+        with quiet_jit():
+            torch.jit.interface(_StepCore)
+        _SCRIPTED_APPLY.append(script_object(_apply_context))
+    return _SCRIPTED_APPLY[0]
+
+
+class _Shard:
+    """The optimizer of the parameters one worker owns (lives on that worker)."""
+
+    def __init__(self, name: str, param_rrefs: List[rpc.RRef], args: Tuple[Any, ...], kwargs: Dict[str, Any]):
+        self.params = [r.local_value() for r in param_rrefs]
+        self.opt = script(registry.get(name).cls(self.params, *args, **kwargs))
+        self.apply = _scripted_apply()
+
+    def ready(self) -> bool:
+        return True
+
+    def step(self, context_id: int, hyper: Optional[Dict[str, Any]]) -> None:
+        with _STEP_LOCK:
+            if hyper:
+                for group in self.opt.param_groups:
+                    group.update(hyper)
+            core = self.opt.core  # syncs changed hyperparameters into the scripted core
+            self.apply(core, self.params, context_id)
+
+    def state_dict(self) -> Dict[str, Any]:
+        with _STEP_LOCK:
+            return {"state": {i: {k: v.clone() for k, v in e.items()} for i, e in self.opt.state_dict()["state"].items()},
+                    "param_groups": self.opt.state_dict()["param_groups"]}
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        with _STEP_LOCK:
+            self.opt.load_state_dict(state_dict)
+
+
+def _shard_call(shard: rpc.RRef, method: str, *args: Any) -> Any:
+    return getattr(shard.local_value(), method)(*args)
+
+
+def _is_tensor(rref: rpc.RRef) -> bool:
+    return isinstance(rref.local_value(), Tensor)
+
+
+# -------------------------------------------------------------- trainer side
+
+
+class DistributedOptimizer(torch.optim.Optimizer):
+    r"""Apply an optimizer step to parameters spread over RPC workers.
+
+    A drop-in for ``torch.distributed.optim.DistributedOptimizer``:
+    ``DistributedOptimizer(optimizer_class, params_rref, *args, **kwargs)`` and
+    ``step(context_id)``.  ``optimizer_class`` is any funcopt algorithm or the
+    matching ``torch.optim`` class; on every owner the optimizer is the
+    scripted funcopt one (fused where available), stepped without the GIL.
+
+    Args:
+      optimizer_class: e.g. ``funcopt.Adam`` or ``torch.optim.Adam``.
+      params_rref: RRefs to the parameters (on any workers, the caller's too).
+      *args, **kwargs: the optimizer's hyperparameters, checked here first.
+      rpc_timeout: seconds to wait for a worker (keyword only; default: the
+        RPC agent's timeout).  A worker that is dead or does not answer in
+        time makes ``step`` raise ``RuntimeError`` naming it.
+
+    Usage::
+
+        with dist_autograd.context() as ctx:
+            loss = model(rref_inputs).sum()
+            dist_autograd.backward(ctx, [loss])
+            opt.step(ctx)
+
+    Hyperparameters live in ``opt.param_groups[0]`` (one group); change them
+    between steps (``opt.param_groups[0]["lr"] = 0.01``, or an LR scheduler)
+    and the next ``step`` carries the change to every worker.
+
+    .. warning:: ``step`` of several trainers on shared parameters is
+       serialized per worker (no lost or torn updates), but the order of the
+       trainers' steps is whatever order they arrive in.
+    """
+
+    def __init__(self, optimizer_class: type, params_rref: Sequence[rpc.RRef], *args: Any, **kwargs: Any):
+        self.rpc_timeout: float = kwargs.pop("rpc_timeout", UNSET_RPC_TIMEOUT)
+        try:
+            self.spec = registry.get(optimizer_class)
+        except KeyError as e:
+            raise ValueError(f"DistributedOptimizer: {e.args[0]}") from None
+        probe = self.spec.cls([torch.zeros(1, requires_grad=True)], *args, **kwargs)  # torch's errors, here
+        # a torch.optim.Optimizer (so LR schedulers drive it) whose one group holds
+        # no local tensors: the parameters are behind RRefs
+        torch.optim.Optimizer.__init__(self, [{"params": [torch.zeros(0, requires_grad=True)]}], dict(probe.defaults))
+        self.param_groups[0]["params"] = []
+        self._sent = {k: v for k, v in self.param_groups[0].items() if k != "params"}
+        rrefs = list(params_rref)
+        if not rrefs:
+            raise ValueError("DistributedOptimizer: params_rref is empty")
+        by_owner: Dict[str, List[rpc.RRef]] = {}
+        for r in rrefs:
+            if not isinstance(r, rpc.PyRRef):
+                raise TypeError(f"DistributedOptimizer: expected RRefs to tensors, got {type(r).__name__}")
+            by_owner.setdefault(r.owner().name, []).append(r)
+        with record_function("funcopt::rpc/create"):
+            checks = {w: [rpc.rpc_async(w, _is_tensor, args=(r,), timeout=self.rpc_timeout) for r in rs]
+                      for w, rs in by_owner.items()}
+            for w, futs in checks.items():
+                for k, ok in enumerate(self._wait(w, futs, "checking parameters")):
+                    if not ok:
+                        raise TypeError(f"DistributedOptimizer: RRef {k} on worker {w!r} does not hold a tensor")
+            self._shards: Dict[str, rpc.RRef] = {
+                w: rpc.remote(w, _Shard, args=(self.spec.name, rs, args, kwargs), timeout=self.rpc_timeout)
+                for w, rs in by_owner.items()}
+            self.workers = sorted(self._shards)
+            ready = {w: rpc.rpc_async(w, _shard_call, args=(s, "ready"), timeout=self.rpc_timeout)
+                     for w, s in self._shards.items()}
+            for w, f in ready.items():
+                self._wait(w, [f], "creating its optimizer")
+
+    def _wait(self, worker: str, futs: List[Any], what: str) -> List[Any]:
+        out = []
+        for f in futs:
+            try:
+                out.append(f.wait())
+            except Exception as e:  # dead, unreachable, timed out, or failed remotely
+                raise RuntimeError(f"DistributedOptimizer: worker {worker!r} failed while {what}: "
+                                   f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
+        return out
+
+    def _changed(self) -> Optional[Dict[str, Any]]:
+        group = self.param_groups[0]
+        diff = {k: v for k, v in group.items() if k != "params" and (k not in self._sent or self._sent[k] != v)}
+        return diff or None
+
+    def step(self, context_id: int) -> None:
+        """Step every owner's optimizer with the gradients of ``context_id``, concurrently."""
+        hyper = self._changed()
+        if hyper:
+            self.spec.cls([torch.zeros(1, requires_grad=True)], **dict(self.defaults, **{
+                k: v for k, v in self.param_groups[0].items() if k in self.defaults}))
+        with record_function("funcopt::rpc/step"):
+            futs = {w: rpc.rpc_async(w, _shard_call, args=(s, "step", context_id, hyper), timeout=self.rpc_timeout)
+                    for w, s in self._shards.items()}
+            failures = []
+            for w, f in futs.items():
+                try:
+                    f.wait()
+                except Exception as e:
+                    failures.append(f"worker {w!r}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+            if failures:
+                raise RuntimeError("DistributedOptimizer.step failed on " + "; ".join(failures))
+        if hyper:
+            self._sent.update(hyper)
+
+    def state_dicts(self) -> Dict[str, Dict[str, Any]]:
+        """Every owner's optimizer state, torch.optim format, keyed by worker name
+        (parameter ids follow the order of that worker's RRefs in ``params_rref``)."""
+        futs = {w: rpc.rpc_async(w, _shard_call, args=(s, "state_dict"), timeout=self.rpc_timeout)
+                for w, s in self._shards.items()}
+        return {w: self._wait(w, [f], "reading its state")[0] for w, f in futs.items()}
+
+    def load_state_dicts(self, state_dicts: Dict[str, Dict[str, Any]]) -> None:
+        """Load what :meth:`state_dicts` returned (each owner checks before changing anything)."""
+        missing = set(self._shards) - set(state_dicts)
+        if missing:
+            raise ValueError(f"DistributedOptimizer.load_state_dicts: no state for workers {sorted(missing)}")
+        futs = {w: rpc.rpc_async(w, _shard_call, args=(s, "load_state_dict", state_dicts[w]), timeout=self.rpc_timeout)
+                for w, s in self._shards.items()}
+        for w, f in futs.items():
+            self._wait(w, [f], "loading its state")
+
+
