@@ -266,6 +266,12 @@ def comm_floors(n_params: int, world: int, bucket_mb: int, reps: int) -> Dict[st
             hi = min(shard, lo + per_rank)
             dist.reduce_scatter_tensor(rs_out[lo:hi], torch.cat([full[r * shard + lo: r * shard + hi] for r in range(world)]))
 
+    def reduce_owner() -> None:
+        works = [dist.reduce(full[r * shard + lo: r * shard + min(shard, lo + per_rank)], dst=r, async_op=True)
+                 for lo in range(0, shard, per_rank) for r in range(world)]
+        for w in works:
+            w.wait()
+
     cases = [
         ("all_gather, list outputs, 1 call (P/W per rank)", ag_list, gathered),
         ("all_gather, list outputs, bucketed like funcopt", ag_bucketed, gathered),
@@ -274,6 +280,7 @@ def comm_floors(n_params: int, world: int, bucket_mb: int, reps: int) -> Dict[st
         ("isend/irecv of the shard to every peer", p2p, gathered),
         ("all_reduce of P in 25 MiB buckets (DDP's traffic)", allreduce, n_params * 4),
         ("reduce_scatter_tensor of P, bucketed (ZeRO-2's traffic)", reduce_scatter, shard * 4),
+        ("reduce of each P/W range to its owner, bucketed, async", reduce_owner, shard * 4),
     ]
     res: Dict[str, Tuple[float, int]] = {}
     with warnings.catch_warnings():
