@@ -128,15 +128,19 @@ def run_cases(rank: int, out_dir: str, cases: Sequence[Dict[str, Any]], runner: 
     stops there; the cases after it are reported as not run.
     """
     results: Dict[str, Any] = {}
+    seconds: Dict[str, float] = {}
     try:
         for case in cases:
+            t0 = time.monotonic()
             try:
                 results[case["name"]] = runner(case)
+                seconds[case["name"]] = time.monotonic() - t0
             except BaseException:
                 results[case["name"]] = {"__error__": traceback.format_exc()}
                 raise
     finally:
         save(out_dir, rank, results, name)
+        save(out_dir, rank, seconds, name + "-seconds")
 
 
 def case_result(spawned: SpawnResult, results: Dict[int, Dict[str, Any]], name: str, rank: int = 0) -> Any:
