@@ -43,10 +43,15 @@ a per-range breakdown of each ZeRO peer's ``step()`` (``torch.profiler``, the
 collective floors (gloo all-gather / all-reduce / broadcast of the same sizes).
 At the end every peer's parameters are compared with DDP+Adam's.
 
+Memory: every peer holds its own model, gradients, optimizer state (and DDP
+buckets) in every process -- about 1.5 GB per peer per process at 64M
+parameters (measured peak RSS is printed at the end); at 64M pick a few peers
+with ``--peers``.
+
 Examples::
 
     python benchmarks/zero.py                          # W=2, 16M parameters
-    python benchmarks/zero.py --params 64M --iters 30
+    python benchmarks/zero.py --params 64M --iters 10 --peers ddp_adam,torch_zero,f_flat,p_flat_bv_bcast
     python benchmarks/zero.py --peers ddp_adam,f_flat --profile   # TensorBoard trace in runs/zero
     torchrun --standalone --nproc-per-node 2 benchmarks/zero.py
 """
@@ -449,6 +454,8 @@ def run(rank: int, world: int, args: argparse.Namespace) -> None:
 
     mine = {p.key: dict(fb=p.fb, st=p.st, state=p.state_bytes(), grad=p.grad_bytes, grad_peak=p.grad_peak)
             for p in peers}
+    import resource
+    mine["_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
     everyone: List[Any] = [None] * world
     dist.all_gather_object(everyone, mine)
     if rank != 0:
@@ -564,7 +571,8 @@ def report(args, world, n_params, n_tensors, peers, everyone, diffs, breakdown, 
                         f"(1/W = {1 / world:.3f}; peak during backward {max(res['f_z2']['grad_peak']) / grad_full:.3f}) -> "
                         f"{'MET' if ratio <= 1 / world * 1.02 + 1e-9 else 'MISSED'}")
     print()
-    print(f"# load average at the end: {os.getloadavg()[0]:.1f}")
+    print(f"# load average at the end: {os.getloadavg()[0]:.1f}; peak RSS per process (all peers together): "
+          + " / ".join(fmt_bytes(everyone[r]["_rss"]) for r in range(world)))
     print()
     print("## Targets")
     print()
