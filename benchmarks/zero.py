@@ -132,6 +132,7 @@ class Peer:
         self.fb: List[float] = []
         self.st: List[float] = []
         self.grad_bytes = 0
+        self.grad_pending = 0
         self.grad_peak = 0
 
     def is_funcopt(self) -> bool:
@@ -148,6 +149,15 @@ class Peer:
         if self.key == "f_z2":
             return int(self.opt.grad_shard_bytes())
         return sum(p.grad.numel() * p.grad.element_size() for p in self.params if p.grad is not None)
+
+    def bucket_bytes(self) -> int:
+        """ZeRO-2: the reduce-scatter bucket still waiting for its flush (not in grad_shard_bytes())."""
+        bucketer = getattr(self.opt, "_bucketer", None)
+        if bucketer is None:
+            return 0
+        # the part holding data (world rows x offset); the buffer itself is allocated at full
+        # capacity (world x bucket_size_mb / world), untouched pages beyond the offset aside
+        return sum(b.data.size(0) * b.offset * b.data.element_size() for b in bucketer.buckets.values())
 
 
 def broadcast_sync_class() -> type:
@@ -371,7 +381,8 @@ def worker(rank: int, world: int, init_method: str, args: argparse.Namespace) ->
 
 
 def run(rank: int, world: int, args: argparse.Namespace) -> None:
-    threads = args.threads or max(1, (os.cpu_count() or 1) // world)
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))  # ranks sharing this machine
+    threads = args.threads or max(1, (os.cpu_count() or 1) // local_world)
     torch.set_num_threads(threads)
     say = print if rank == 0 else (lambda *a, **k: None)
     keys = [k.strip() for k in args.peers.split(",") if k.strip()]
@@ -402,6 +413,7 @@ def run(rank: int, world: int, args: argparse.Namespace) -> None:
             if it == measure_at:
                 def between(p: Peer = peer) -> None:
                     p.grad_bytes = p.held_grad_bytes()
+                    p.grad_pending = p.bucket_bytes()
             dist.barrier()
             fb, st = train_step(peer, x, y, between)
             if it >= args.warmup:
@@ -418,7 +430,7 @@ def run(rank: int, world: int, args: argparse.Namespace) -> None:
         peer.grad_peak = 0
 
         def sample(_p: torch.Tensor, pe: Peer = peer) -> None:
-            pe.grad_peak = max(pe.grad_peak, pe.held_grad_bytes())
+            pe.grad_peak = max(pe.grad_peak, pe.held_grad_bytes() + pe.bucket_bytes())
 
         for p in peer.params:
             hooks.append(p.register_post_accumulate_grad_hook(sample))
@@ -452,7 +464,8 @@ def run(rank: int, world: int, args: argparse.Namespace) -> None:
         say(f"# TensorBoard trace of {target.name} written to {args.profile_dir}/ "
             f"(tensorboard --logdir {args.profile_dir})", flush=True)
 
-    mine = {p.key: dict(fb=p.fb, st=p.st, state=p.state_bytes(), grad=p.grad_bytes, grad_peak=p.grad_peak)
+    mine = {p.key: dict(fb=p.fb, st=p.st, state=p.state_bytes(), grad=p.grad_bytes, grad_pending=p.grad_pending,
+                     grad_peak=p.grad_peak)
             for p in peers}
     import resource
     mine["_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
@@ -475,6 +488,7 @@ def report(args, world, n_params, n_tensors, peers, everyone, diffs, breakdown, 
                       st_min=min(st), st_max=max(st),
                       state=[everyone[r][k]["state"] for r in range(world)],
                       grad=[everyone[r][k]["grad"] for r in range(world)],
+                      grad_pending=[everyone[r][k]["grad_pending"] for r in range(world)],
                       grad_peak=[everyone[r][k]["grad_peak"] for r in range(world)])
     ref = res.get("ddp_adam")
     tz = res.get("torch_zero")
@@ -498,15 +512,22 @@ def report(args, world, n_params, n_tensors, peers, everyone, diffs, breakdown, 
     print(f"## Memory per rank (parameters: {fmt_bytes(p_bytes)}; unsharded Adam state {fmt_bytes(state_full)}, "
           f"1/W = {fmt_bytes(state_full / world)}; unsharded gradients {fmt_bytes(grad_full)}, 1/W = {fmt_bytes(grad_full / world)})")
     print()
-    print("| peer | optimizer state per rank | state / unsharded | gradients held after backward | grads / unsharded | peak grads during backward |")
-    print("|---|--:|--:|--:|--:|--:|")
+    print("| peer | optimizer state per rank | state / unsharded | gradients held after backward | grads / unsharded "
+          "| + pending reduce-scatter bucket | (grads + bucket) / unsharded | peak (grads + bucket) during backward |")
+    print("|---|--:|--:|--:|--:|--:|--:|--:|")
     for k, r in res.items():
         st = " / ".join(fmt_bytes(b) for b in r["state"])
         gr = " / ".join(fmt_bytes(b) for b in r["grad"])
+        pend = " / ".join(fmt_bytes(b) for b in r["grad_pending"])
+        both = max(g + b for g, b in zip(r["grad"], r["grad_pending"]))
         pk = " / ".join(fmt_bytes(b) for b in r["grad_peak"])
-        print(f"| {r['name']} | {st} | {max(r['state']) / state_full:.3f} | {gr} | {max(r['grad']) / grad_full:.3f} | {pk} |")
+        print(f"| {r['name']} | {st} | {max(r['state']) / state_full:.3f} | {gr} | {max(r['grad']) / grad_full:.3f} "
+              f"| {pend} | {both / grad_full:.3f} | {pk} |")
     print()
-    print("(per-rank figures are rank 0 / rank 1 / ...; the ratio uses the largest rank)")
+    print("(per-rank figures are rank 0 / rank 1 / ...; the ratio uses the largest rank; gradients: sum of p.grad, "
+          "for funcopt ZeRO-2 opt.grad_shard_bytes(); the pending bucket is funcopt ZeRO-2's ReduceScatterBucketer "
+          "buffer: the part filled with gradients still unreduced after backward, until step() flushes it; "
+          "grad_shard_bytes() leaves it out; the buffer is allocated at the full bucket size)")
     if args.grad_as_bucket_view:
         print("(DDP gradient_as_bucket_view=True: p.grad are views into DDP's buckets)")
     else:
@@ -567,9 +588,11 @@ def report(args, world, n_params, n_tensors, peers, everyone, diffs, breakdown, 
     if "f_z2" in res:
         worst = max(res["f_z2"]["grad"])
         ratio = worst / grad_full
-        verdicts.append(f"funcopt ZeRO-2 gradient bytes per rank about 1/W: {ratio:.3f} of unsharded "
-                        f"(1/W = {1 / world:.3f}; peak during backward {max(res['f_z2']['grad_peak']) / grad_full:.3f}) -> "
-                        f"{'MET' if ratio <= 1 / world * 1.02 + 1e-9 else 'MISSED'}")
+        both = max(g + b for g, b in zip(res["f_z2"]["grad"], res["f_z2"]["grad_pending"])) / grad_full
+        verdicts.append(f"funcopt ZeRO-2 gradient bytes per rank about 1/W: grad_shard_bytes() {ratio:.3f} of unsharded "
+                        f"(1/W = {1 / world:.3f}) -> {'MET' if ratio <= 1 / world * 1.02 + 1e-9 else 'MISSED'}; "
+                        f"counting the pending bucket {both:.3f} -> {'MET' if both <= 1 / world * 1.02 + 1e-9 else 'MISSED'}; "
+                        f"peak during backward {max(res['f_z2']['grad_peak']) / grad_full:.3f}")
     print()
     print(f"# load average at the end: {os.getloadavg()[0]:.1f}; peak RSS per process (all peers together): "
           + " / ".join(fmt_bytes(everyone[r]["_rss"]) for r in range(world)))
