@@ -23,7 +23,7 @@ import datetime
 import os
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
@@ -175,9 +175,11 @@ DIMS = {
 class Net(nn.Module):
     """Three tanh layers; ``mixed`` makes the middle one float64; ``extra`` adds a
     residual layer (the one added to the optimizer later); ``empty`` a
-    zero-element parameter that still gets a (zero-size) gradient."""
+    zero-element parameter that still gets a (zero-size) gradient; ``unused`` a trainable
+    parameter that forward never uses."""
 
-    def __init__(self, kind: str = "small", mixed: bool = False, extra: bool = False, empty: bool = False):
+    def __init__(self, kind: str = "small", mixed: bool = False, extra: bool = False, empty: bool = False,
+                 unused: bool = False):
         super().__init__()
         torch.manual_seed(0)
         a, b, c, d = DIMS[kind]
@@ -186,6 +188,8 @@ class Net(nn.Module):
         self.l3 = nn.Linear(c, d)
         self.extra = nn.Linear(d, d) if extra else None
         self.empty = nn.Parameter(torch.zeros(0)) if empty else None
+        # trainable but never used by forward: its gradient stays None
+        self.unused = nn.Parameter(torch.randn(5)) if unused else None
         if mixed:
             self.l2.double()
         self.n_in, self.n_out = a, d

@@ -15,8 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import funcopt
-from funcopt.distributed import DistributedError, ZeroRedundancyOptimizer
+from funcopt.distributed import ZeroRedundancyOptimizer
 from funcopt.registry import REGISTRY
 
 from _dist_harness import (Net, allreduce_mean_grads, batch, local_slice, run_cases, snapshot)
@@ -36,7 +35,7 @@ assert set(HYPER) == set(REGISTRY), "a new algorithm in the registry needs hyper
 def _case(name: str, algo: str, **kw: Any) -> Dict[str, Any]:
     c = dict(kind="train", name=name, algo=algo, cls="torch", hyper=HYPER[algo][0], partition="flat",
              bucket_view=False, stage=1, bucket_mb=25, model={}, freeze=(), flip={}, add_group=None,
-             steplr=None, groups=False, to=0, torch_continue=True)
+             steplr=None, groups=False, to=0, torch_continue=True, accum=1)
     c.update(kw)
     return c
 
@@ -67,6 +66,7 @@ def feature_cases() -> List[Dict[str, Any]]:
         _case("empty-param-flat", "Adam", model=dict(empty=True)),
         _case("empty-param-greedy", "Adam", partition="greedy", model=dict(empty=True)),
         _case("consolidate-to-last", "AdamW", to=-1),
+        _case("accumulate", "SGD", accum=2),
         # memory: big enough that padding and per-tensor step counters are noise
         _case("mem-adam-flat", "Adam", model=dict(kind="big"), torch_continue=False),
         _case("mem-sgd-flat", "SGD", model=dict(kind="big"), torch_continue=False),
@@ -84,6 +84,12 @@ def zero2_cases() -> List[Dict[str, Any]]:
         _case("z2-frozen", "Adam", stage=2, freeze=("l1",)),
         _case("z2-flip", "SGD", stage=2, flip={2: ("l1", False), 5: ("l1", True)}),
         _case("z2-add-group", "Adam", stage=2, model=dict(extra=True), add_group=(3, dict(lr=0.003))),
+        # two backward calls before each step: the gradients of both must count
+        _case("z2-accumulate", "SGD", stage=2, accum=2),
+        _case("z2-accumulate-adam-greedy", "Adam", stage=2, partition="greedy", accum=2),
+        # ... also when a trainable parameter gets no gradient, so a backward's chunks never all
+        # complete (1-element chunks with bucket_size_mb=0: the unused parameter's come last)
+        _case("z2-accumulate-unused", "Adagrad", stage=2, bucket_mb=0, accum=2, model=dict(unused=True)),
         # ~198k elements, 1 MiB buckets: several reduce-scatter chunks per space at W=2, 4
         # (SGD: Adam's m/sqrt(v) turns last-bit differences of near-zero gradients into ~1e-5 differences
         # on this model -- DDP + torch.optim.Adam differs from single-process Adam as much)
@@ -118,7 +124,8 @@ def uses_ddp(case: Dict[str, Any]) -> bool:
     # DDP fixes the set of trainable parameters at construction, so runs that
     # change trainability average gradients by hand; DDP also rejects an
     # empty parameter's bucket.
-    return case["stage"] == 1 and not case["flip"] and not case["model"].get("empty")
+    return case["stage"] == 1 and not case["flip"] and not case["model"].get("empty") \
+        and not case["model"].get("unused")
 
 
 def apply_events_before(case: Dict[str, Any], model: Net, opt: Any, start: int) -> None:
@@ -142,10 +149,12 @@ def train(case: Dict[str, Any], model: Net, opt: Any, steps: range, rank: int = 
         if case["add_group"] and case["add_group"][0] == s:
             opt.add_param_group(dict(case["add_group"][1], params=list(model.extra.parameters())))
         x, y = batch(s, model)
+        x, y = local_slice(x, rank, world), local_slice(y, rank, world)
         model.zero_grad(set_to_none=True)
         opt.zero_grad(set_to_none=True)
-        loss = torch.nn.functional.mse_loss(net(local_slice(x, rank, world)), local_slice(y, rank, world))
-        loss.backward()
+        for m in range(case["accum"]):  # gradient accumulation: several backward calls per step
+            xm, ym = local_slice(x, m, case["accum"]), local_slice(y, m, case["accum"])
+            torch.nn.functional.mse_loss(net(xm), ym).backward()
         if reduce is not None:
             reduce()
         if after_backward is not None:
@@ -318,6 +327,11 @@ def run_bad_load(case: Dict[str, Any], rank: int, world: int) -> Dict[str, Any]:
     sd = changed()
     del sd["state"][n - 1]["exp_avg_sq"]
     bad["missing-key"] = sd
+    sgd = torch.optim.SGD(Net().parameters(), lr=0.1, momentum=0.9)  # another optimizer's state dict
+    for p in sgd.param_groups[0]["params"]:
+        p.grad = torch.ones_like(p)
+    sgd.step()
+    bad["other-optimizer"] = sgd.state_dict()
     results = {}
     for what, sd in bad.items():
         results[what] = _catch(lambda: opt.load_state_dict(sd))

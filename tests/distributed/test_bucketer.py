@@ -17,8 +17,8 @@ from _dist_harness import spawn  # noqa: E402
 
 from funcopt.distributed import ReduceScatterBucketer  # noqa: E402
 
-pytestmark = pytest.mark.timeout(240)
 SPAWN_DEADLINE = 150.0
+pytestmark = pytest.mark.timeout(int(SPAWN_DEADLINE + 60))
 WORLDS = [2, 4]
 _RUNS: dict = {}
 

@@ -10,8 +10,8 @@ consolidated by world 4, world 1 the one consolidated by world 2.
 """
 from __future__ import annotations
 
-import copy
 import functools
+import re
 
 import pytest
 import torch
@@ -24,8 +24,10 @@ import _dist_zero_work as W  # noqa: E402
 from _dist_harness import (assert_state_dict_close, assert_tensors_close, case_result, load_all,  # noqa: E402
                            spawn, state_tensor_bytes)
 
-pytestmark = pytest.mark.timeout(420)  # includes the module's spawns (deadline SPAWN_DEADLINE each)
-SPAWN_DEADLINE = 200.0
+SPAWN_DEADLINE = 240.0
+# a test's time includes the spawns it triggers: at most three (world 1 loads world 2's state,
+# which loads world 4's) when a selection starts with a world-1 test
+pytestmark = pytest.mark.timeout(int(3 * SPAWN_DEADLINE + 60))
 WORLDS = [4, 2, 1]
 
 TRAIN = W.train_cases()
@@ -84,13 +86,12 @@ def _ids(cases):
 # ------------------------------------------------------------- the spawns
 @pytest.mark.parametrize("world", WORLDS)
 def test_spawn_clean(run, world):
-    """Every rank ran every case and exited 0, well within the deadline."""
+    """Every rank ran every case and exited 0 before the deadline."""
     spawned, results = run(world)
     spawned.check()
     assert sorted(results) == list(range(world))
     for r in range(world):
         assert sorted(results[r]) == sorted(c["name"] for c in cases_for(world))
-    assert spawned.seconds < SPAWN_DEADLINE * 0.75, spawned.report()
 
 
 # ------------------------------------------------------------ vs torch.optim
@@ -241,7 +242,7 @@ def test_zero2_no_bucketing_is_per_tensor_not_per_element(run):
 
 # ------------------------------------------------------------------- errors
 BAD_LOADS = {"group-count": "param groups", "group-size": "params", "shape-last": "shape",
-             "shape-first": "shape", "missing-key": "keys"}
+             "shape-first": "shape", "missing-key": "keys", "other-optimizer": "hyperparameters|keys"}
 
 
 @pytest.mark.parametrize("what", sorted(BAD_LOADS))
@@ -250,7 +251,7 @@ def test_bad_load_state_dict_fails_everywhere_changes_nothing(run, world, what):
     for r in range(world):
         res = _get(run, world, "bad-load", r)["results"][what]
         assert res["type"] == "DistributedError", f"rank {r}: {res}"
-        assert BAD_LOADS[what] in res["error"], f"rank {r}: message does not name the problem: {res['error']}"
+        assert re.search(BAD_LOADS[what], res["error"]), f"rank {r}: message does not name the problem: {res['error']}"
     for r in range(world):
         res = _get(run, world, "bad-load", r)
         assert res["after"]["lrs"] == res["before"]["lrs"], f"rank {r}: lr changed by a failed load"
