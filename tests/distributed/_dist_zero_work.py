@@ -386,8 +386,11 @@ def run_options(case: Dict[str, Any], rank: int, world: int) -> Dict[str, Any]:
     }
 
 
-COLLECTIVES = ("all_gather", "all_gather_into_tensor", "all_reduce", "reduce_scatter", "reduce_scatter_tensor",
-               "reduce_scatter_single", "broadcast", "all_to_all_single")
+# every communication entry point of torch.distributed (counted whatever funcopt builds on)
+COLLECTIVES = ("all_gather", "all_gather_into_tensor", "all_gather_object", "all_reduce", "reduce", "reduce_scatter",
+               "reduce_scatter_tensor", "reduce_scatter_single", "broadcast", "broadcast_object_list", "gather",
+               "scatter", "all_to_all", "all_to_all_single", "send", "recv", "isend", "irecv", "batch_isend_irecv",
+               "barrier")
 
 
 def run_count(case: Dict[str, Any], rank: int, world: int) -> Dict[str, Any]:
