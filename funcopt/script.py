@@ -14,7 +14,7 @@ import torch
 
 T = TypeVar("T")
 
-_TORCH_JIT_DEPRECATION = r"`torch\.jit\.(script|save|load|trace)` is deprecated"
+_TORCH_JIT_DEPRECATION = r"`torch\.jit\.(script|save|load|trace|interface)` is deprecated"
 
 
 @contextlib.contextmanager

@@ -69,15 +69,25 @@ def check_same(value: Any, group: Optional[Any], what: str) -> None:
         )
 
 
-def all_gather_into(outputs: Sequence[Tensor], inp: Tensor, group: Optional[Any]) -> None:
-    """``outputs[r] <- inp of rank r`` (views into a larger buffer are fine)."""
-    dist.all_gather(list(outputs), inp, group=group)
+def reduce_scatter(output: Tensor, inputs: Sequence[Tensor], group: Optional[Any], owned: bool = False) -> None:
+    """``output <- sum over ranks of inputs[my rank]``.
 
-
-def reduce_scatter(output: Tensor, inputs: Sequence[Tensor], group: Optional[Any], async_op: bool = False) -> Any:
-    """``output <- sum over ranks of inputs[my rank]``; one flat collective when possible."""
+    NCCL (and other backends): one ``reduce_scatter_single``.  gloo runs that as
+    a full all-reduce; one ``reduce`` to each owner, all in flight at once, moved
+    the same bytes ~3x faster on loopback, so gloo gets that.  ``owned=True``
+    lets the reduces work in ``inputs`` (the caller's buffers, e.g. a bucket's).
+    """
+    rank, world = rank_and_size(group)
+    if dist.get_backend(group) == "gloo":
+        bufs = list(inputs) if owned else [t.clone() for t in inputs]
+        works = [dist.reduce(bufs[r], dst=r if group is None else dist.get_global_rank(group, r),
+                             group=group, async_op=True) for r in range(world)]
+        for w in works:
+            w.wait()
+        output.copy_(bufs[rank].view_as(output))
+        return
     flat = torch.cat([t.reshape(-1) for t in inputs])
-    return dist.reduce_scatter_single(output.view(-1), flat, group=group, async_op=async_op)
+    dist.reduce_scatter_single(output.view(-1), flat, group=group)
 
 
 def send_object(obj: Any, dst: int, group: Optional[Any]) -> None:

@@ -3,7 +3,7 @@
 Same interface as fairscale's ``ReduceScatterBucketer``.  Small inputs are
 copied into a per-(dtype, device, group) bucket of ``world x capacity``
 elements; when the next input does not fit, or on ``flush()``, the bucket is
-reduce-scattered in one collective and each input's callback receives its
+reduce-scattered together and each input's callback receives its
 slice of the result.  Inputs at least as large as a bucket shard go straight
 through.  Bucket buffers are allocated on first use and released after each
 flush, so they exist only while in use.
@@ -34,7 +34,7 @@ class _Bucket:
         with record_function("funcopt::bucketer/reduce_scatter"):
             used = self.data[:, : self.offset]
             self.output = torch.empty(self.offset, dtype=self.data.dtype, device=self.data.device)
-            reduce_scatter(self.output, list(used.unbind(0)), self.group)
+            reduce_scatter(self.output, list(used.unbind(0)), self.group, owned=True)
         for cb in self.callbacks:
             cb()
         self.offset = 0

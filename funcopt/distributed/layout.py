@@ -91,6 +91,9 @@ def make_layout(
             pos = 0
             for i in idx:
                 n = numels[i]
+                if n == 0:  # an empty parameter still gets (empty) state, like torch.optim
+                    owned[key][min(pos // per, world - 1) if per else 0].append((i, 0, 0))
+                    continue
                 a = pos
                 while a < pos + n:
                     r = a // per

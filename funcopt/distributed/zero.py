@@ -2,7 +2,7 @@
 
 Each rank owns a part of every dtype's flat parameter space (see
 :mod:`funcopt.distributed.layout`), runs a scripted funcopt optimizer over
-views of just that part, and a bucketed all-gather brings every rank's
+views of just that part, and bucketed broadcasts bring every rank's
 updated part to every rank.  The update rule is never reimplemented here: the
 local optimizer is the registry's funcopt class, over its shard.
 """
@@ -20,6 +20,10 @@ from ..script import script
 from . import _comm, checkpoint
 from .bucketer import ReduceScatterBucketer
 from .layout import Layout, Segment, chunks, make_layout
+
+
+def _align(nbytes: int) -> int:
+    return (nbytes + 15) // 16 * 16
 
 
 def _flat(t: Tensor) -> Tensor:
@@ -43,14 +47,14 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         funcopt core, scripted, fused where available.
       process_group: default: the world.
       parameters_as_bucket_view: make ``p.data`` views into one flat buffer
-        per dtype, so the all-gather writes straight into the parameters.
+        per dtype, so the sync writes straight into the parameters.
       overlap_with_ddp: not supported yet (raises ``NotImplementedError``).
       partition: ``"flat"`` (even contiguous ranges, default) or ``"greedy"``
         (torch's whole-parameter partition).
       zero_stage: ``1`` (gradients all-reduced by DDP) or ``2``: gradients are
         reduce-scattered in buckets during backward (hooks on gradient
         accumulation); no DDP.  After backward each rank holds only its shard.
-      bucket_size_mb: all-gather / reduce-scatter bucket size (default 25).
+      bucket_size_mb: parameter-sync / reduce-scatter bucket size (default 25).
       **defaults: hyperparameters of ``optimizer_class``.
 
     Usage::
@@ -171,7 +175,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
     # ----------------------------------------------------------------- step
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None, **kwargs: Any) -> Optional[float]:
-        """Update this rank's shard, then all-gather the parameters.  Collective."""
+        """Update this rank's shard, then bring every shard to every rank.  Collective."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -181,7 +185,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             self._sync_hyper()
             grads = self._local_grads(params)
             self._local.step(grads, **kwargs)
-        with record_function("funcopt::zero/all_gather"):
+        with record_function("funcopt::zero/sync_params"):
             self._sync_params(params)
         return loss
 
@@ -195,45 +199,62 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         return out
 
     def _plan_sync(self) -> None:
-        """Precompute the bucketed all-gather: per space, per chunk, the copies in and out."""
+        """Precompute the parameter sync: per space and bucket-sized range of the
+        shards, each owner's broadcast and the views it lands in."""
         params = self._params()
-        per_rank = max(1, self.bucket_size_mb * 1024 * 1024 // max(1, self.world_size))
         self._sync_plan = []
+        self._sync_buf: Optional[Tensor] = None
         for key, space in self.layout.spaces.items():
-            step = max(1, per_rank // torch.empty((), dtype=space.dtype).element_size())
-            for lo, hi in chunks(space.shard, step):
-                plan = []
+            for lo, hi in chunks(space.shard, self._chunk_elems(space)):
                 for r in range(self.world_size):
-                    plan.append([(params[s.param], s.start + skip, take, s.offset + skip - lo)
-                                 for s, skip, take in space.overlapping(r, lo, hi)])
-                self._sync_plan.append((key, space, lo, hi, plan))
+                    pieces = [(params[s.param], s.start + skip, take, s.offset + skip - lo)
+                              for s, skip, take in space.overlapping(r, lo, hi)]
+                    if pieces:
+                        n = max(at + take for _, _, take, at in pieces)
+                        self._sync_plan.append((key, space, lo, r, n, pieces))
+
+    def _chunk_elems(self, space: Any) -> int:
+        """Elements per rank in one bucket; ``bucket_size_mb=0``: the whole shard."""
+        if self.bucket_size_mb <= 0:
+            return max(1, space.shard)
+        elem = torch.empty((), dtype=space.dtype).element_size()
+        return max(1, self.bucket_size_mb * 1024 * 1024 // (elem * self.world_size))
 
     def _sync_params(self, params: List[Tensor]) -> None:
+        """Bring every owner's updated range to every rank: one broadcast per owner
+        and bucket (gloo's broadcast moved the same bytes 3-4x faster than its
+        all-gather on loopback, see docs/benchmarks.md).  With bucket views the
+        broadcast lands in the parameters; otherwise the owner packs its range into
+        a reused buffer and the receivers copy it out."""
         if self.world_size == 1:
             return
-        for key, space, lo, hi, plan in self._sync_plan:
-            n = hi - lo
+        group = self.process_group
+        works, unpack = [], []
+        used = 0
+        if not self.parameters_as_bucket_view and self._sync_plan:
+            need = sum(_align(n * torch.empty((), dtype=space.dtype).element_size()) for _, space, _, _, n, _ in self._sync_plan)
+            if self._sync_buf is None or self._sync_buf.numel() < need:
+                self._sync_buf = torch.empty(need, dtype=torch.uint8, device=params[0].device)
+        for key, space, lo, r, n, pieces in self._sync_plan:
+            src = r if group is None else dist.get_global_rank(group, r)
             if self.parameters_as_bucket_view:
-                buf = self._buffers[key]
-                outs = [buf[r * space.shard + lo: r * space.shard + hi] for r in range(self.world_size)]
-                mine = outs[self.rank].clone()
-                _comm.all_gather_into(outs, mine, self.process_group)
+                at = r * space.shard + lo
+                works.append(dist.broadcast(self._buffers[key][at: at + n], src=src, group=group, async_op=True))
                 continue
-            dev = params[0].device if params else torch.device("cpu")
-            mine = torch.zeros(n, dtype=space.dtype, device=dev)
-            for p, a, take, at in plan[self.rank]:
-                mine[at: at + take].copy_(_flat(p.detach())[a: a + take])
-            outs = list(torch.empty(self.world_size, n, dtype=space.dtype, device=dev).unbind(0))
-            _comm.all_gather_into(outs, mine, self.process_group)
-            dst, src = [], []
-            for r in range(self.world_size):
-                if r == self.rank:
-                    continue
-                for p, a, take, at in plan[r]:
-                    dst.append(_flat(p.detach())[a: a + take])
-                    src.append(outs[r][at: at + take])
-            if dst:
-                torch._foreach_copy_(dst, src)
+            nbytes = n * torch.empty((), dtype=space.dtype).element_size()
+            buf = self._sync_buf[used: used + nbytes].view(space.dtype)
+            used += _align(nbytes)
+            views = [_flat(p.detach())[a: a + take] for p, a, take, _ in pieces]
+            slots = [buf[at: at + take] for _, _, take, at in pieces]
+            if r == self.rank:
+                torch._foreach_copy_(slots, views)
+            else:
+                unpack.append((views, slots))
+            works.append(dist.broadcast(buf, src=src, group=group, async_op=True))
+        for w in works:
+            w.wait()
+        for views, slots in unpack:
+            torch._foreach_copy_(views, slots)
 
     # --------------------------------------------------------------- ZeRO-2
     def _setup_zero2(self, params: List[Tensor]) -> None:
@@ -243,14 +264,14 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self._bucketer = ReduceScatterBucketer(self.bucket_size_mb)
         self._grad_shards: Dict[str, Tensor] = {}
         self._z2_chunks: List[Tuple[str, Any, int, int, List[Any], List[int]]] = []
-        per_rank = max(1, self.bucket_size_mb * 1024 * 1024 // max(1, self.world_size))
         for key, space in self.layout.spaces.items():
-            step = max(1, per_rank // torch.empty((), dtype=space.dtype).element_size())
+            step = self._chunk_elems(space)
             for lo, hi in chunks(space.shard, step):
                 plan = [[(s.param, s.start + skip, take, s.offset + skip - lo) for s, skip, take in
                          space.overlapping(r, lo, hi)] for r in range(self.world_size)]
                 members = sorted({c[0] for rank_plan in plan for c in rank_plan})
                 self._z2_chunks.append((key, space, lo, hi, plan, members))
+        self._had_grad = [False] * len(params)  # since the last step, on this rank
         self._chunks_of: Dict[int, List[int]] = {}
         for j, c in enumerate(self._z2_chunks):
             for i in c[5]:
@@ -266,14 +287,29 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self._issued = [False] * len(self._z2_chunks)
         self._next = len(self._z2_chunks) - 1  # chunks are issued in descending order on every rank
         self._round_active = False  # a backward has started feeding this round of chunks
+        self._seen = [False] * len(params)
 
     def _make_hook(self, i: int) -> Callable[[Tensor], None]:
         def hook(p: Tensor) -> None:
+            self._had_grad[i] = True
+            if not self._round_active:
+                # like DDP: finish the round when this backward ends, whatever got a gradient
+                torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            if self._seen[i]:
+                # a second gradient for i: a new backward (gradient accumulation)
+                # began before this round completed (some trainable parameter got
+                # no gradient); finish the round first, missing gradients as zero
+                self._issue_ready(force=True)
+            self._seen[i] = True
             self._round_active = True
             for j in self._chunks_of.get(i, ()):
                 self._pending[j] -= 1
             self._issue_ready(force=False)
         return hook
+
+    def _end_of_backward(self) -> None:
+        if self._round_active:
+            self._issue_ready(force=True)
 
     @torch.no_grad()
     def _issue_ready(self, force: bool) -> None:
@@ -303,19 +339,27 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                 if all(self._issued[k] for k in self._chunks_of[i]):
                     params[i].grad = None
         if self._next < 0:
-            # round complete: a further backward (gradient accumulation) starts a
-            # new round whose results add into the same shard
+            # round complete: reduce what still waits in the bucketer now, so that
+            # after backward a rank holds only its shard; a further backward
+            # (gradient accumulation) starts a new round adding into the same shard
+            self._bucketer.flush()
             self._reset_backward()
 
     def _zero2_grads(self, params: List[Tensor]) -> List[Optional[Tensor]]:
         if self._round_active:  # chunks whose gradients never all arrived: missing ones count as zero
             self._issue_ready(force=True)
         self._bucketer.flush()
+        # a parameter that got a gradient on no rank is skipped, as torch.optim skips a None grad
+        flags = torch.tensor(self._had_grad, dtype=torch.int32, device=_comm.comm_device(self.process_group))
+        if self.world_size > 1:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.process_group)
+        had = flags.tolist()
+        self._had_grad = [False] * len(params)
         out: List[Optional[Tensor]] = []
         for s in self._segments:
             p = params[s.param]
             shard = self._grad_shards.get(str(p.dtype).replace("torch.", ""))
-            if not p.requires_grad or shard is None:
+            if not p.requires_grad or shard is None or not had[s.param]:
                 out.append(None)
                 continue
             out.append(shard[s.offset: s.offset + s.length])
@@ -325,6 +369,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         super().zero_grad(set_to_none)
         if self.zero_stage == 2:
             self._grad_shards = {}
+            self._had_grad = [False] * len(self._had_grad)
             self._reset_backward()
 
     def grad_shard_bytes(self) -> int:
@@ -346,7 +391,11 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         """Add a group (collective); the partition is recomputed and state moves with it."""
         super().add_param_group(param_group)
         if self._local is not None:
-            self._rebuild(carry_state=True)
+            try:
+                self._rebuild(carry_state=True)  # checks agreement before changing anything
+            except Exception:
+                del self.param_groups[-1]
+                raise
 
     # ------------------------------------------------------------------ state
     def _local_pieces(self) -> List[Tuple[int, int, int, Dict[str, Tensor]]]:
