@@ -19,12 +19,6 @@ each), so clock drift and background load hit all peers alike:
 * ``f_greedy``      DDP + funcopt ZeRO-1, ``partition="greedy"``
 * ``f_flat_bv``     DDP + funcopt ZeRO-1 flat, ``parameters_as_bucket_view=True``
 * ``f_z2``          funcopt ZeRO-2 (no DDP: gradients reduce-scattered during backward)
-* ``p_flat_bcast``, ``p_flat_bv_bcast``: NOT funcopt as shipped -- a
-  benchmark-local subclass of funcopt's ZeRO-1 (flat; without / with bucket
-  view) whose parameter sync issues one gloo broadcast per owner and range
-  (straight into the parameters or the flat buffer) instead of the
-  all-gather: it measures a proposed fix (gloo's all-gather is several times
-  slower than broadcasts of the same bytes on loopback; see the floors).
 
 Each training step is timed in two parts: ``fwd+bwd`` (``zero_grad``, forward,
 backward; for DDP peers it includes the gradient all-reduce, for ZeRO-2 the
@@ -51,7 +45,7 @@ with ``--peers``.
 Examples::
 
     python benchmarks/zero.py                          # W=2, 16M parameters
-    python benchmarks/zero.py --params 64M --iters 10 --peers ddp_adam,torch_zero,f_flat,p_flat_bv_bcast
+    python benchmarks/zero.py --params 64M --iters 10 --peers ddp_adam,torch_zero,f_flat,f_flat_bv
     python benchmarks/zero.py --peers ddp_adam,f_flat --profile   # TensorBoard trace in runs/zero
     torchrun --standalone --nproc-per-node 2 benchmarks/zero.py
 """
@@ -85,8 +79,6 @@ PEERS = {
     "f_greedy": "DDP + funcopt ZeRO-1 greedy",
     "f_flat_bv": "DDP + funcopt ZeRO-1 flat (bucket view)",
     "f_z2": "funcopt ZeRO-2 (no DDP)",
-    "p_flat_bcast": "prototype: funcopt ZeRO-1 flat, broadcast sync",
-    "p_flat_bv_bcast": "prototype: funcopt ZeRO-1 flat (bucket view), broadcast sync",
 }
 MiB = 1024 * 1024
 
@@ -160,33 +152,6 @@ class Peer:
         return sum(b.data.size(0) * b.offset * b.data.element_size() for b in bucketer.buckets.values())
 
 
-def broadcast_sync_class() -> type:
-    """PROTOTYPE (benchmark-local, uses funcopt internals): ZeRO-1 whose parameter
-    sync is one async broadcast per (owner, range) instead of a bucketed all-gather."""
-    from funcopt.distributed import ZeroRedundancyOptimizer as FZero
-
-    class BroadcastSyncZero(FZero):
-        def _sync_params(self, params: List[torch.Tensor]) -> None:
-            if self.world_size == 1:
-                return
-            pg = self.process_group
-            src = [r if pg is None else dist.get_global_rank(pg, r) for r in range(self.world_size)]
-            works = []
-            for key, space, lo, hi, plan in self._sync_plan:
-                for r in range(self.world_size):
-                    if self.parameters_as_bucket_view:
-                        buf = self._buffers[key]
-                        targets = [buf[r * space.shard + lo: r * space.shard + hi]]
-                    else:
-                        targets = [p.detach().view(-1)[a: a + take] for p, a, take, _ in plan[r]]
-                    for t in targets:
-                        works.append(dist.broadcast(t, src=src[r], group=pg, async_op=True))
-            for w in works:
-                w.wait()
-
-    return BroadcastSyncZero
-
-
 def make_peer(key: str, base: torch.nn.Module, lr: float, bucket_mb: int, ddp_kw: Dict[str, Any]) -> Peer:
     from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -202,10 +167,6 @@ def make_peer(key: str, base: torch.nn.Module, lr: float, bucket_mb: int, ddp_kw
     elif key in ("f_flat", "f_greedy", "f_flat_bv"):
         opt = FZero(model.parameters(), torch.optim.Adam, parameters_as_bucket_view=(key == "f_flat_bv"),
                     partition="greedy" if key == "f_greedy" else "flat", bucket_size_mb=bucket_mb, lr=lr)
-    elif key in ("p_flat_bcast", "p_flat_bv_bcast"):
-        opt = broadcast_sync_class()(model.parameters(), torch.optim.Adam,
-                                     parameters_as_bucket_view=(key == "p_flat_bv_bcast"),
-                                     bucket_size_mb=bucket_mb, lr=lr)
     elif key == "f_z2":
         opt = FZero(model.parameters(), torch.optim.Adam, zero_stage=2, bucket_size_mb=bucket_mb, lr=lr)
     else:
@@ -566,13 +527,13 @@ def report(args, world, n_params, n_tensors, peers, everyone, diffs, breakdown, 
 
     verdicts = []
     if ref:
-        for k in ("f_flat", "f_greedy", "f_flat_bv", "p_flat_bcast", "p_flat_bv_bcast"):
+        for k in ("f_flat", "f_greedy", "f_flat_bv"):
             if k in res:
                 ratio = res[k]["st"] / ref["st"]
                 verdicts.append(f"{res[k]['name']} step+sync <= 1.1x DDP+Adam(fused): {ratio:.2f}x -> "
                                 f"{'MET' if ratio <= 1.1 else 'MISSED'}")
     if tz:
-        for k in ("f_flat", "f_greedy", "f_flat_bv", "p_flat_bcast", "p_flat_bv_bcast"):
+        for k in ("f_flat", "f_greedy", "f_flat_bv"):
             if k in res:
                 ratio = res[k]["st"] / tz["st"]
                 verdicts.append(f"{res[k]['name']} step+sync faster than torch ZeRO: {ratio:.2f}x -> "
