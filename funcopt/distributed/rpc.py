@@ -57,8 +57,10 @@ class _Shard:
 
     def __init__(self, name: str, param_rrefs: List[rpc.RRef], args: Tuple[Any, ...], kwargs: Dict[str, Any]):
         self.params = [r.local_value() for r in param_rrefs]
-        self.opt = script(registry.get(name).cls(self.params, *args, **kwargs))
-        self.apply = _scripted_apply()
+        self._staged: Any = None
+        with _STEP_LOCK:  # TorchScript compilation is not safe from concurrent RPC threads
+            self.opt = script(registry.get(name).cls(self.params, *args, **kwargs))
+            self.apply = _scripted_apply()
 
     def ready(self) -> bool:
         return True
@@ -76,9 +78,17 @@ class _Shard:
             return {"state": {i: {k: v.clone() for k, v in e.items()} for i, e in self.opt.state_dict()["state"].items()},
                     "param_groups": self.opt.state_dict()["param_groups"]}
 
-    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+    def stage_load(self, state_dict: Dict[str, Any]) -> None:
+        """Check ``state_dict`` and keep the converted result; changes nothing."""
         with _STEP_LOCK:
-            self.opt.load_state_dict(state_dict)
+            self._staged = self.opt.stage_state(state_dict)
+
+    def commit_load(self) -> None:
+        with _STEP_LOCK:
+            staged, self._staged = self._staged, None
+            if staged is None:
+                raise RuntimeError("commit_load without a staged state")
+            self.opt.commit_state(staged)
 
 
 def _shard_call(shard: rpc.RRef, method: str, *args: Any) -> Any:
@@ -90,6 +100,15 @@ def _is_tensor(rref: rpc.RRef) -> bool:
 
 
 # -------------------------------------------------------------- trainer side
+
+
+def _reason(e: BaseException) -> str:
+    """The whole text of an exception relayed by RPC (its first line only names
+    the worker, "On WorkerInfo(...):"; the reason follows), plus its cause."""
+    parts = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    if e.__cause__ is not None and str(e.__cause__) not in str(e):
+        parts.append(str(e.__cause__))
+    return f"{type(e).__name__}: " + " | ".join(parts)[-800:]
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -167,8 +186,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             try:
                 out.append(f.wait())
             except Exception as e:  # dead, unreachable, timed out, or failed remotely
-                raise RuntimeError(f"DistributedOptimizer: worker {worker!r} failed while {what}: "
-                                   f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
+                raise RuntimeError(f"DistributedOptimizer: worker {worker!r} failed while {what}: {_reason(e)}") from e
         return out
 
     def _changed(self) -> Optional[Dict[str, Any]]:
@@ -190,7 +208,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 try:
                     f.wait()
                 except Exception as e:
-                    failures.append(f"worker {w!r}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+                    failures.append(f"worker {w!r}: {_reason(e)}")
             if failures:
                 raise RuntimeError("DistributedOptimizer.step failed on " + "; ".join(failures))
         if hyper:
@@ -208,9 +226,19 @@ class DistributedOptimizer(torch.optim.Optimizer):
         missing = set(self._shards) - set(state_dicts)
         if missing:
             raise ValueError(f"DistributedOptimizer.load_state_dicts: no state for workers {sorted(missing)}")
-        futs = {w: rpc.rpc_async(w, _shard_call, args=(s, "load_state_dict", state_dicts[w]), timeout=self.rpc_timeout)
+        # all owners check first; only if every one accepts does any of them change
+        futs = {w: rpc.rpc_async(w, _shard_call, args=(s, "stage_load", state_dicts[w]), timeout=self.rpc_timeout)
+                for w, s in self._shards.items()}
+        for w, f in futs.items():
+            self._wait(w, [f], "checking its state")
+        futs = {w: rpc.rpc_async(w, _shard_call, args=(s, "commit_load"), timeout=self.rpc_timeout)
                 for w, s in self._shards.items()}
         for w, f in futs.items():
             self._wait(w, [f], "loading its state")
+        # the trainer's hyperparameters follow what the workers now hold
+        loaded = state_dicts[self.workers[0]]["param_groups"][0]
+        hyper = {k: v for k, v in loaded.items() if k not in ("params", "param_names")}
+        self.param_groups[0].update(hyper)
+        self._sent = {k: v for k, v in self.param_groups[0].items() if k != "params"}
 
 
