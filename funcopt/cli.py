@@ -70,6 +70,9 @@ def _build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--world-size", type=int, default=None,
                       help="with --zero: local gloo processes to spawn (default: 2); ignored under torchrun, "
                            "which sets the world size")
+    from .rpc_demo import add_arguments as _add_rpc_arguments  # --rpc, --trainers
+
+    _add_rpc_arguments(demo)
     demo.set_defaults(func=_cmd_demo)
 
     bench = sub.add_parser(
@@ -112,6 +115,10 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     if args.batch_size < 1:
         print("funcopt demo: --batch-size must be at least 1", file=sys.stderr)
         return 2
+    if args.rpc:
+        from .rpc_demo import run as _demo_rpc
+
+        return _demo_rpc(args)
     if args.zero is not None:
         return _demo_zero(args)
     if args.world_size is not None:
