@@ -186,13 +186,14 @@ def aten_peer(algo: str) -> Callable[..., Tuple[Optional[Step], str]]:
         kw = ALGOS[algo]["kw"]
         z = lambda: [torch.zeros_like(p) for p in params]  # noqa: E731
         steps = [torch.zeros(()) for _ in params]
+        one = torch.ones(())  # the one-tensor overload, as funcopt and torch.optim bump CPU step counters
         if algo in ("Adam", "AdamW"):
             m, v = z(), z()
             op = torch._fused_adamw_ if algo == "AdamW" else torch._fused_adam_
             wd = kw.get("weight_decay", 0.0)
 
             def step() -> None:
-                torch._foreach_add_(steps, 1.0)
+                torch._foreach_add_(steps, one, alpha=1.0)
                 op(params, grads, m, v, [], steps, lr=kw["lr"], beta1=0.9, beta2=0.999, weight_decay=wd,
                    eps=1e-8, amsgrad=False, maximize=False)
         elif algo == "SGD":
@@ -205,7 +206,7 @@ def aten_peer(algo: str) -> Callable[..., Tuple[Optional[Step], str]]:
             sums = z()
 
             def step() -> None:
-                torch._foreach_add_(steps, 1.0)
+                torch._foreach_add_(steps, one, alpha=1.0)
                 torch._fused_adagrad_(params, grads, sums, steps, lr=kw["lr"], lr_decay=0.0, weight_decay=0.0,
                                       eps=1e-10, maximize=False)
         else:
@@ -554,7 +555,7 @@ def summary(results: Dict[str, Any]) -> None:
             sp = f"{fs / sf:.1f}x" if fs else "-"
             gbs = c["bytes_per_param"] * c["numel"] / sf / 1e9
             print(f"  {c['algo'] + ' ' + c['size']:<16}{sf * 1e3:>13.2f}{(tf or 0) * 1e3:>12.2f}{ratio:>7}  {ok:<15}"
-                  f"{(fs or 0) * 1e3:>11.1f}{sp:>9}{gbs:>13.1f}{100 * gbs / bw:>5.0f}%")
+                  f"{f'{fs * 1e3:.1f}' if fs else '-':>11}{sp:>9}{gbs:>13.1f}{100 * gbs / bw:>5.0f}%")
     control = {r["intra_threads"]: r["speedup"] for r in results.get("gil", []) if "torch.mm" in r["kind"]}
     for row in results.get("gil", []):
         if row["kind"] == "funcopt script fused":
@@ -568,6 +569,55 @@ def summary(results: Dict[str, Any]) -> None:
             print(f"  GIL: 2 threads / 1 thread, scripted fused funcopt.Adam, {results['gil_tensors']} x {TINY_NUMEL}, "
                   f"set_num_threads({row['intra_threads']}): {row['speedup']:.2f}x (target >= 1.8: {verdict}; "
                   f"CPU/wall concurrent {row['cpu_per_wall_con']:.2f})")
+
+
+# --------------------------------------------------------------------------- markdown
+def render_markdown(results: Dict[str, Any]) -> str:
+    """The tables of a run (or of its --json file) as Markdown, one table per size."""
+    lines: List[str] = []
+    cases = results.get("cases", [])
+    bw = max((b["inplace_best"] for b in results.get("bandwidth", [])), default=0.0)
+    sizes: List[str] = []
+    for c in cases:
+        if c["size"] not in sizes:
+            sizes.append(c["size"])
+    for size in sizes:
+        row = [c for c in cases if c["size"] == size]
+        first = row[0]
+        lines.append(f"**{size}**: {first['numel']:,} params in {first['tensors']} tensors; median ms/step "
+                     f"(x = / torch.optim fused), load avg {first['loadavg'][0]:.1f}, process got "
+                     f"{first['cpu_per_wall']:.2f} CPUs")
+        lines.append("")
+        lines.append("| peer | " + " | ".join(f"{c['algo']} ms | x" for c in row) + " |")
+        lines.append("|---|" + "---:|---:|" * len(row))
+        peers: List[str] = []
+        for c in row:
+            peers += [p for p in c["median_s"] if p not in peers]
+        for p in peers:
+            cells = []
+            for c in row:
+                t, tf = c["median_s"].get(p), c["median_s"].get("torch.optim fused")
+                cells.append(f"{t * 1e3:.2f} | {t / tf:.2f}" if t and tf else (f"{t * 1e3:.2f} | -" if t else "- | -"))
+            lines.append(f"| {p} | " + " | ".join(cells) + " |")
+        skipped = sorted({n.split(":")[0] for c in row for n in c["notes"] if "skipped" in n})
+        if skipped:
+            lines.append("")
+            lines.append(f"Not run at this size (time): {', '.join(skipped)}.")
+        lines.append("")
+    adam = [c for c in cases if c["algo"] == "Adam"]
+    if adam and bw:
+        lines.append(f"**Adam, effective bandwidth** (28 B/param / median step time; reference: best "
+                     f"`a.add_(b)` {bw:.1f} GB/s)")
+        lines.append("")
+        lines.append("| size | funcopt script fused GB/s | % of ref | torch.optim fused GB/s | % of ref |")
+        lines.append("|---|---:|---:|---:|---:|")
+        for c in adam:
+            sf, tf = c["median_s"].get("funcopt script fused"), c["median_s"].get("torch.optim fused")
+            g1 = 28 * c["numel"] / sf / 1e9 if sf else 0.0
+            g2 = 28 * c["numel"] / tf / 1e9 if tf else 0.0
+            lines.append(f"| {c['size']} | {g1:.1f} | {100 * g1 / bw:.0f}% | {g2:.1f} | {100 * g2 / bw:.0f}% |")
+        lines.append("")
+    return "\n".join(lines)
 
 
 # --------------------------------------------------------------------------- main
@@ -598,6 +648,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     help="torch.set_num_threads for the tables (default: torch's own choice)")
     ap.add_argument("--quick", action="store_true", help="smoke run: 1M and tiny, few repeats")
     ap.add_argument("--json", default="", help="also write all results to this JSON file")
+    ap.add_argument("--markdown", default="", help="also write the tables as Markdown to this file")
     args = ap.parse_args(argv)
 
     if args.quick:
@@ -669,6 +720,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1, default=str)
         print(f"results written to {args.json}")
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(render_markdown(results) + "\n")
+        print(f"tables written to {args.markdown}")
     return 0
 
 
