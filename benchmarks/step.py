@@ -677,7 +677,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print("command: python " + " ".join([os.path.relpath(__file__)] + list(sys.argv[1:] if argv is None else argv)))
     if os.getloadavg()[0] > 0.5 * (os.cpu_count() or 1):
         print(f"WARNING: load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs: other processes are "
-              "running; figures (tiny tensors and the GIL figure above all) will be noisy")
+              "running; figures (tiny tensors and the GIL figure above all) will be noisy; --threads 1 is "
+              "steadier on a busy machine (see docs/benchmarks.md)")
     missing = [a for a in args.algos if getattr(funcopt, a, None) is None]
     if missing:
         print(f"note: funcopt has no {', '.join(missing)} in this checkout; their funcopt rows are left out")
