@@ -6,12 +6,14 @@ processes step them concurrently through ``torch.distributed.rpc``
 ``ps`` (``dot(cat(p_i), k)``), ``dist_autograd.backward`` (the
 gradients, dense, land on ``ps``), then ``opt.step(context_id)``.  Peers:
 
-* ``funcopt``: ``funcopt.distributed.DistributedOptimizer`` -- on ``ps`` one
-  TorchScript call looks the gradients up and runs the fused kernel, under a
-  per-worker lock (concurrent trainers' steps apply one at a time);
+* ``funcopt``: ``funcopt.distributed.DistributedOptimizer`` -- on ``ps`` a
+  Python RPC handler takes the worker's step lock (concurrent trainers' steps
+  apply one at a time) and makes one TorchScript call that looks the gradients
+  up and runs the fused kernel without the GIL;
 * ``torch``: ``torch.distributed.optim.DistributedOptimizer`` -- for SGD and
-  Adam it runs torch's scripted functional optimizer (for-loop kernels), with
-  no lock (concurrent steps on the same parameters may lose updates).
+  Adam the step RPC is a TorchScript call into torch's scripted functional
+  optimizer (for-loop kernels), with no lock (concurrent steps on the same
+  parameters may lose updates).
 
 Models: ``small`` = 500 tensors x 1024 floats (small-tensor heavy) and
 ``large`` = 4 tensors x 4M floats.  Optimizers: SGD(lr=0.01) and Adam(lr=1e-3).
@@ -19,13 +21,20 @@ Models: ``small`` = 500 tensors x 1024 floats (small-tensor heavy) and
 Reported per (model, optimizer, trainers): optimizer steps per second over all
 trainers (iterations finished / wall time of the stepping window; the forward
 and backward are the same for both peers) and the median latency of one
-``opt.step`` call on a trainer.  GIL figures (``--gil-models``, default: the
-small model): each configuration runs a second time while a pure-Python counter
-thread spins on ``ps``; reported are the peers' steps/s meanwhile, and the
-counter's iteration rate during the run relative to its rate with ``ps`` idle
-just before -- what the server's Python work (RPC handlers hold the GIL) left
-to it.  On a machine with fewer cores than processes CPU contention lowers it
-too.
+``opt.step`` call on a trainer.
+
+The GIL on the server, two ways (both need ``py-spy`` on PATH for the GIL
+figures; ``pip install py-spy``; without it they are skipped):
+
+* trainer runs (``--gil-models``): each configuration runs a second time with
+  ``py-spy record --gil`` sampling ``ps``: the share of the window some ps
+  thread held the GIL, and the GIL time per optimizer step spent in the Python
+  step handler (funcopt) -- torch's scripted step RPC has none.
+* server alone (``--server also|only|no``): on one process with RPC up, the
+  exact handler a step runs on ``ps`` (funcopt's, torch's scripted one, and
+  torch's eager ``_LocalOptimizer`` as the control) in a loop: step time alone,
+  GIL held per step (py-spy), and step time with a pure-Python thread spinning
+  next to it.
 
 Peers alternate within every repetition (the order flips each time) and every
 figure is a median over repetitions; ratios are funcopt / torch (> 1: funcopt
@@ -33,9 +42,9 @@ faster).
 
 Run::
 
-    python benchmarks/rpc.py                      # ~3.5 minutes on a busy 2-core machine
-    python benchmarks/rpc.py --iters-small 30 --iters-large 4 --gil-models small,large  # ~8 minutes there
-    python benchmarks/rpc.py --models small --optims adam --trainers 1,4
+    python benchmarks/rpc.py                      # everything (see docs/benchmarks.md for times)
+    python benchmarks/rpc.py --server only        # the server-alone GIL table only
+    python benchmarks/rpc.py --models small --optims adam --trainers 1,4 --server no
     python benchmarks/rpc.py --profile            # also a TensorBoard trace per peer in runs/rpc
     tensorboard --logdir runs/rpc                 # with torch-tb-profiler installed
 """
@@ -45,7 +54,10 @@ import argparse
 import json
 import os
 import platform
+import shutil
+import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -114,10 +126,50 @@ class Counter(threading.Thread):
             for _ in range(1000):
                 self.n += 1
 
-    def rate(self, seconds: float) -> float:
-        n0, t0 = self.n, time.perf_counter()
-        time.sleep(seconds)
-        return (self.n - n0) / (time.perf_counter() - t0)
+
+class GilSampler:
+    """``py-spy record --gil`` on this process while the ``with`` block runs.
+
+    py-spy keeps a sample only when some thread of the process holds the GIL,
+    so (kept samples) / (rate x seconds) is the share of the time the process
+    held the GIL; the stacks say which Python code held it.  ``--nonblocking``:
+    the process is not paused to be sampled.  Needs the ``py-spy`` executable
+    (``pip install py-spy``) and permission to read this process's memory."""
+
+    RATE = 500
+
+    def __init__(self, out_dir: str, tag: str) -> None:
+        self.path = os.path.join(out_dir, f"pyspy-{tag}-{os.getpid()}.txt")
+        self.stacks: Dict[str, int] = {}
+        self.seconds = 0.0
+
+    @staticmethod
+    def available() -> bool:
+        return shutil.which("py-spy") is not None
+
+    def __enter__(self) -> "GilSampler":
+        cmd = ["py-spy", "record", "--pid", str(os.getpid()), "--gil", "--nonblocking", "--rate", str(self.RATE),
+               "--format", "raw", "--output", self.path]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        first = self.proc.stdout.readline()  # "py-spy> Sampling process ..." once attached
+        if "Sampling" not in first:
+            self.proc.kill()
+            raise RuntimeError(f"py-spy did not start: {first.strip()} {self.proc.stdout.read().strip()}")
+        self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.seconds = time.perf_counter() - self.t0
+        self.proc.send_signal(signal.SIGINT)
+        self.proc.communicate(timeout=60)
+        for line in Path(self.path).read_text().splitlines():
+            stack, _, n = line.rpartition(" ")
+            self.stacks[stack] = self.stacks.get(stack, 0) + int(n)
+
+    def share(self, *markers: str) -> float:
+        """Share of the time the GIL was held (by stacks containing any of ``markers``; all if none)."""
+        n = sum(c for st, c in self.stacks.items() if not markers or any(m in st for m in markers))
+        return n / (self.RATE * self.seconds)
 
 
 # =============================================================== on a trainer
@@ -182,38 +234,40 @@ def run_phase(model: str, optim: str, peer: str, iters: int, warmup: int, start_
 
 
 # ==================================================================== driver
-def _phase(args: argparse.Namespace, counter: Counter, model: str, optim: str, peer: str, n: int,
+STEP_FRAMES = ("_shard_call", "_local_optimizer_step")  # the Python step handlers on ps (funcopt, torch eager)
+FORWARD_FRAMES = (";forward (",)
+
+
+def _phase(args: argparse.Namespace, model: str, optim: str, peer: str, n: int,
            iters: int, profile_dir: Optional[str] = None, gil: bool = False) -> Dict[str, Any]:
     for r in range(1, n + 1):  # build the optimizers first, one trainer after the other
         if (model, optim, peer, r) not in _SEEN:
             rpc.rpc_sync(trainer_name(r), prepare, args=(model, optim, peer, 2), timeout=args.rpc_timeout)
             _SEEN.add((model, optim, peer, r))
     warmup = 1
-    idle = 0.0
-    if gil:
-        counter.on = True
-        idle = counter.rate(0.2)  # the GIL counter with ps idle, just before
     start_at = time.time() + 0.2 + (0.5 if model == "large" else 0.05) * warmup * n
     futs = [rpc.rpc_async(trainer_name(r), run_phase, args=(model, optim, peer, iters, warmup, start_at, profile_dir),
                           timeout=args.rpc_timeout) for r in range(1, n + 1)]
-    # the GIL counter's rate in the stepping window (from the common start)
     time.sleep(max(0.0, start_at - time.time()))
-    c0, w0 = counter.n, time.perf_counter()
-    res = [f.wait() for f in futs]
-    c1, w1 = counter.n, time.perf_counter()
-    counter.on = False
+    if gil:  # py-spy on ps (this process) over the stepping window
+        with GilSampler(args.tmp, f"{model}-{optim}-{n}-{peer}") as g:
+            res = [f.wait() for f in futs]
+    else:
+        res = [f.wait() for f in futs]
     start, end = min(r["start"] for r in res), max(r["end"] for r in res)
     steps = [s for r in res for s in r["steps"]]
-    return dict(steps_per_s=len(steps) / (end - start), step_ms=statistics.median(steps) * 1e3,
-                counter=(c1 - c0) / (w1 - w0) / idle if gil else None, idle=idle)
+    out = dict(steps_per_s=len(steps) / (end - start), step_ms=statistics.median(steps) * 1e3)
+    if gil:
+        per = g.seconds / len(steps) * 1e6  # us of window per optimizer step
+        out.update(gil_share=g.share(), gil_step_us=g.share(*STEP_FRAMES) * per,
+                   gil_fwd_us=g.share(*FORWARD_FRAMES) * per, gil_all_us=g.share() * per)
+    return out
 
 
 _SEEN: set = set()
 
 
 def drive(args: argparse.Namespace) -> Dict[str, Any]:
-    counter = Counter()
-    counter.start()
     results: Dict[str, Any] = {}
     configs = [(m, o, n) for m in args.models for o in args.optims for n in args.trainers]
     t_all = time.perf_counter()
@@ -222,10 +276,10 @@ def drive(args: argparse.Namespace) -> Dict[str, Any]:
             order = PEERS if (rep + i) % 2 == 0 else PEERS[::-1]
             for peer in order:
                 iters = args.iters_small if m == "small" else args.iters_large
-                r = _phase(args, counter, m, o, peer, n, iters)
+                r = _phase(args, m, o, peer, n, iters)
                 results.setdefault(f"{m}/{o}/{n}/{peer}", []).append(r)
-                if m in args.gil_models:  # again, with the busy Python thread on ps
-                    r = _phase(args, counter, m, o, peer, n, iters, gil=True)
+                if m in args.gil_models:  # again, longer, under py-spy
+                    r = _phase(args, m, o, peer, n, iters * args.gil_factor, gil=True)
                     results.setdefault(f"{m}/{o}/{n}/{peer}/gil", []).append(r)
         print(f"  repetition {rep + 1}/{args.reps} done ({time.perf_counter() - t_all:.0f} s)", file=sys.stderr,
               flush=True)
@@ -234,15 +288,13 @@ def drive(args: argparse.Namespace) -> Dict[str, Any]:
         out = str(Path(args.profile_dir).resolve())
         os.makedirs(out, exist_ok=True)
         for peer in PEERS:
-            _phase(args, counter, "small", "adam", peer, 1, 12, profile_dir=out)
+            _phase(args, "small", "adam", peer, 1, 12, profile_dir=out)
         profiles = sorted(str(p) for p in Path(out).glob("*.pt.trace.json"))
-    counter.stop = True
     return dict(results=results, profiles=profiles)
 
 
 def _report(args: argparse.Namespace, out: Dict[str, Any], setup_s: float, total_s: float) -> None:
     res = out["results"]
-    idle = statistics.median([r["idle"] for rs in res.values() for r in rs if r["idle"]] or [0.0])
     print()
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
           f"torch {torch.__version__}, python {platform.python_version()}; load average at the end "
@@ -250,9 +302,10 @@ def _report(args: argparse.Namespace, out: Dict[str, Any], setup_s: float, total
     print(f"processes: 1 parameter server + {max(args.trainers)} trainers, {args.threads} intra-op thread(s) each; "
           f"{args.reps} repetitions, peers alternating; medians; set-up {setup_s:.0f} s, total {total_s:.0f} s")
     if args.gil_models:
-        print(f"GIL runs ({', '.join(args.gil_models)}): each configuration is run a second time with a pure-Python counter thread busy on ps; "
-              f"'counter' = its iteration rate during the run / its rate with ps idle just before "
-              f"(median idle rate {idle / 1e6:.2f} M/s); 'steps/s w/ counter' = the peers' throughput meanwhile")
+        print(f"GIL on ps ({', '.join(args.gil_models)}): each configuration is run a second time under py-spy --gil "
+              f"(nonblocking, {GilSampler.RATE} Hz, {args.gil_factor}x the iterations); 'GIL %' = share of the stepping window some ps thread held "
+              f"the GIL; 'step us' = of that, in the Python step handler (funcopt: _shard_call), per optimizer step; "
+              f"'all us' = everything (RPC decoding, the forward's handler...), per trainer iteration")
     for m in args.models:
         n, numel = MODELS[m]
         for o in args.optims:
@@ -262,7 +315,8 @@ def _report(args: argparse.Namespace, out: Dict[str, Any], setup_s: float, total
             head = (f"{'trainers':>8} | {'funcopt steps/s':>15} {'torch steps/s':>13} {'ratio':>6} | "
                     f"{'funcopt step ms':>15} {'torch step ms':>13}")
             if gil_on:
-                head += f" | {'w/ counter: funcopt':>19} {'torch':>6} {'ratio':>6} | {'counter: funcopt':>16} {'torch':>6}"
+                head += (f" | {'GIL %: funcopt':>14} {'torch':>6} | {'step us: funcopt':>16} {'torch':>6} | "
+                         f"{'all us: funcopt':>15} {'torch':>6}")
             print(head)
             for k in args.trainers:
                 row, gil = {}, {}
@@ -272,13 +326,14 @@ def _report(args: argparse.Namespace, out: Dict[str, Any], setup_s: float, total
                                  statistics.median(r["step_ms"] for r in rs))
                     if gil_on:
                         gs = res[f"{m}/{o}/{k}/{peer}/gil"]
-                        gil[peer] = (statistics.median(r["steps_per_s"] for r in gs),
-                                     statistics.median(r["counter"] for r in gs))
+                        gil[peer] = [statistics.median(r[key] for r in gs)
+                                     for key in ("gil_share", "gil_step_us", "gil_all_us")]
                 f, t = row["funcopt"], row["torch"]
                 line = f"{k:>8} | {f[0]:>15.1f} {t[0]:>13.1f} {f[0] / t[0]:>6.2f} | {f[1]:>15.2f} {t[1]:>13.2f}"
                 if gil_on:
                     gf, gt = gil["funcopt"], gil["torch"]
-                    line += f" | {gf[0]:>19.1f} {gt[0]:>6.1f} {gf[0] / gt[0]:>6.2f} | {gf[1]:>16.0%} {gt[1]:>6.0%}"
+                    line += (f" | {gf[0]:>14.1%} {gt[0]:>6.1%} | {gf[1]:>16.0f} {gt[1]:>6.0f} | "
+                             f"{gf[2]:>15.0f} {gt[2]:>6.0f}")
                 print(line)
     if out["profiles"]:
         print()
@@ -287,9 +342,106 @@ def _report(args: argparse.Namespace, out: Dict[str, Any], setup_s: float, total
             print("  " + p)
 
 
+# ============================================== the server alone: GIL per step
+def _server_step_fns(model: str, optim: str, rrefs: List[rpc.RRef]) -> Dict[str, Any]:
+    """What an RPC handler on ``ps`` runs for one ``opt.step(ctx)``, per peer."""
+    from torch.distributed.optim import optimizer as tdo
+    from torch.distributed.optim.utils import functional_optim_map
+
+    from funcopt.distributed.rpc import _Shard, _shard_call
+
+    cls, kw = OPTIMS[optim]
+    shard = rpc.RRef(_Shard(cls.__name__, rrefs, (), dict(kw)))
+    scripted = tdo._new_script_local_optimizer(functional_optim_map[cls], rrefs, **kw)
+    eager = tdo._new_local_optimizer(cls, rrefs, **kw)
+    return {
+        # funcopt: a Python RPC handler takes the worker lock and makes one TorchScript call
+        "funcopt": lambda ctx: _shard_call(shard, "step", ctx, None),
+        # torch, SGD/Adam: a TorchScript function (the RPC itself is a script call)
+        "torch": lambda ctx: tdo._script_local_optimizer_step(scripted, ctx),
+        # the control: torch's eager local optimizer (what it uses for other classes)
+        "torch eager": lambda ctx: tdo._local_optimizer_step(eager, ctx),
+    }
+
+
+def _loop(fn: Any, ctx: int, seconds: float, times: List[float]) -> None:
+    end = time.perf_counter() + seconds
+    while True:
+        t0 = time.perf_counter()
+        fn(ctx)
+        t1 = time.perf_counter()
+        times.append(t1 - t0)
+        if t1 >= end:
+            return
+
+
+def server_gil(args: argparse.Namespace, out_dir: str) -> Dict[str, Any]:
+    """On one process with RPC up (world size 1), for each peer, the server-side
+    step handler in a loop three times: alone (step time); under py-spy (the GIL
+    held per step); with a pure-Python thread busy next to it (what other Python
+    work on the server does to the step: every GIL hand-back waits up to
+    ``sys.getswitchinterval()``)."""
+    counter = Counter()
+    counter.start()
+    spy = GilSampler.available()
+    out: Dict[str, Any] = {}
+    for model in args.models:
+        _make_models([model])
+        rrefs = param_rrefs(model)
+        for optim in args.optims:
+            fns = _server_step_fns(model, optim, rrefs)
+            with dist_autograd.context() as ctx:  # gradients for every parameter, kept in the context
+                dist_autograd.backward(ctx, [forward(model)])
+                for fn in fns.values():  # warm-up: TorchScript's profiling executor, state allocation
+                    for _ in range(3):
+                        fn(ctx)
+                for rep in range(args.reps):
+                    order = list(fns) if rep % 2 == 0 else list(fns)[::-1]
+                    for peer in order:
+                        r: Dict[str, Any] = {}
+                        alone: List[float] = []
+                        _loop(fns[peer], ctx, args.server_seconds, alone)
+                        r["step_ms"] = statistics.median(alone) * 1e3
+                        if spy:
+                            sampled: List[float] = []
+                            with GilSampler(out_dir, f"{model}-{optim}-{peer.replace(' ', '_')}") as g:
+                                _loop(fns[peer], ctx, args.server_seconds, sampled)
+                            r["gil_share"] = g.share()
+                            r["gil_us"] = g.share() * g.seconds / len(sampled) * 1e6
+                        counter.on = True
+                        busy: List[float] = []
+                        _loop(fns[peer], ctx, args.server_seconds, busy)
+                        counter.on = False
+                        r["step_ms_busy"] = statistics.median(busy) * 1e3
+                        out.setdefault(f"{model}/{optim}/{peer}", []).append(r)
+        _PARAMS.pop(model)
+        _COEF.pop(model)
+    counter.stop = True
+    return out
+
+
+def _report_server(args: argparse.Namespace, res: Dict[str, Any], total_s: float) -> None:
+    spy = all("gil_us" in r for rs in res.values() for r in rs)
+    print()
+    print(f"server alone: the handler one opt.step(ctx) runs on ps, in a loop on one process with RPC up "
+          f"({args.reps} repetitions x {args.server_seconds} s per column, peers alternating, medians; {total_s:.0f} s)")
+    print("  step ms: alone | GIL held: py-spy --gil samples / (rate x time), per step and as a share of the loop"
+          + ("" if spy else " (py-spy not found: not measured)")
+          + " | step ms w/ busy thread: a pure-Python thread spinning next to the loop")
+    print(f"{'model':>6} {'optim':>5} {'peer':>12} | {'step ms':>8} | {'GIL held/step':>13} {'share':>6} | "
+          f"{'step ms w/ busy thread':>22}")
+    for key, rs in res.items():
+        model, optim, peer = key.split("/")
+        gil = (f"{statistics.median(r['gil_us'] for r in rs):>10.0f} us "
+               f"{statistics.median(r['gil_share'] for r in rs):>6.1%}") if spy else f"{'-':>13} {'-':>6}"
+        print(f"{model:>6} {optim:>5} {peer:>12} | {statistics.median(r['step_ms'] for r in rs):>8.2f} | {gil} | "
+              f"{statistics.median(r['step_ms_busy'] for r in rs):>22.2f}")
+
+
 # ================================================================== processes
 def _entry(rank: int, world: int, init: str, args: argparse.Namespace, result_file: str) -> None:
     torch.set_num_threads(args.threads)
+    args.tmp = os.path.dirname(result_file)
     name = PS if rank == 0 else trainer_name(rank)
     opts = rpc.TensorPipeRpcBackendOptions(init_method=init, rpc_timeout=args.rpc_timeout)
     try:
@@ -319,25 +471,56 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--iters-large", type=int, default=2, help="iterations per trainer per run, large model (2)")
     p.add_argument("--threads", type=int, default=1, help="intra-op threads per process (default: 1)")
     p.add_argument("--rpc-timeout", type=float, default=120.0)
-    p.add_argument("--gil-models", default="small",
-                   help="models whose configurations also run with a busy Python thread on ps (default: small; "
-                        "'small,large' for both, '' for none)")
+    p.add_argument("--gil-models", default="small,large",
+                   help="models whose configurations run a second time under py-spy --gil on ps (default: "
+                        "small,large; '' for none; skipped when py-spy is not installed)")
+    p.add_argument("--gil-factor", type=int, default=5,
+                   help="the py-spy runs are this many times longer than the timed ones, for enough samples (5)")
     p.add_argument("--profile", action="store_true", help="also write TensorBoard traces of trainer t1")
     p.add_argument("--profile-dir", default=str(ROOT / "runs" / "rpc"))
+    p.add_argument("--server", choices=("also", "only", "no"), default="also",
+                   help="also/only/no: time the step handler on the server alone, with and without a busy "
+                        "Python thread, for the GIL held per step (default: also)")
+    p.add_argument("--server-seconds", type=float, default=1.0, help="length of each server-alone loop (1.0)")
     p.add_argument("--json", default=None, help="write the raw results here")
     args = p.parse_args(argv)
     args.trainers = [int(x) for x in args.trainers.split(",")]
     args.models = args.models.split(",")
     args.optims = args.optims.split(",")
     args.gil_models = [m for m in args.gil_models.split(",") if m]
+    if args.gil_models and not GilSampler.available():
+        print("benchmarks/rpc.py: py-spy not found (pip install py-spy): no GIL figures", file=sys.stderr)
+        args.gil_models = []
     if not set(args.models) <= set(MODELS) or not set(args.optims) <= set(OPTIMS) or min(args.trainers) < 1:
         p.error("unknown model/optimizer or a trainer count < 1")
     return args
 
 
+def _server_entry(args: argparse.Namespace, tmp: str) -> Dict[str, Any]:
+    torch.set_num_threads(args.threads)
+    opts = rpc.TensorPipeRpcBackendOptions(init_method="file://" + os.path.join(tmp, "rdv-server"),
+                                           rpc_timeout=args.rpc_timeout)
+    rpc.init_rpc(PS, rank=0, world_size=1, rpc_backend_options=opts)
+    try:
+        return server_gil(args, tmp)
+    finally:
+        rpc.shutdown()
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
     world = 1 + max(args.trainers)
+    t0 = time.perf_counter()
+    server: Dict[str, Any] = {}
+    if args.server != "no":
+        with tempfile.TemporaryDirectory(prefix="funcopt_bench_rpc_") as tmp:
+            server = _server_entry(args, tmp)
+        server_s = time.perf_counter() - t0
+        _report_server(args, server, server_s)
+        if args.server == "only":
+            if args.json:
+                Path(args.json).write_text(json.dumps(dict(args=vars(args), server=server), indent=1, default=str))
+            return 0
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="funcopt_bench_rpc_") as tmp:
         result_file = os.path.join(tmp, "result.pt")
@@ -358,8 +541,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     total = time.perf_counter() - t0
     _report(args, data["out"], data["setup"], total)
     if args.json:
-        Path(args.json).write_text(json.dumps(dict(args={k: v for k, v in vars(args).items()}, **data["out"]),
-                                              indent=1, default=str))
+        Path(args.json).write_text(json.dumps(dict(args={k: v for k, v in vars(args).items()}, server=server,
+                                                   **data["out"]), indent=1, default=str))
     return 0
 
 

@@ -31,25 +31,33 @@ class _StepCore:  # made a TorchScript interface on first use (nothing is script
         pass
 
 
-def _apply_context(core: _StepCore, params: List[Tensor], context_id: int) -> None:
-    """Look up this worker's gradients in the autograd context and step (TorchScript)."""
-    found = dist_autograd.get_gradients(context_id)
-    grads: List[Optional[Tensor]] = []
-    for p in params:
-        grads.append(found.get(p))
-    core.step(grads, None, None)
+class _Apply:
+    """One worker's step as a TorchScript object: look this worker's gradients up
+    in the autograd context and step the core.  Holding ``params`` here keeps the
+    per-step call from Python down to one int argument."""
+
+    def __init__(self, core: _StepCore, params: List[Tensor]) -> None:
+        self.core = core
+        self.params = params
+
+    def step(self, context_id: int) -> None:
+        found = dist_autograd.get_gradients(context_id)
+        grads: List[Optional[Tensor]] = []
+        for p in self.params:
+            grads.append(found.get(p))
+        self.core.step(grads, None, None)
 
 
 _STEP_LOCK = threading.Lock()  # one optimizer step at a time on this worker, whoever the trainer
-_SCRIPTED_APPLY: List[Any] = []
+_INTERFACE: List[bool] = []
 
 
-def _scripted_apply() -> Any:
-    if not _SCRIPTED_APPLY:
+def _scripted_apply(core: Any, params: List[Tensor]) -> Any:
+    if not _INTERFACE:
         with quiet_jit():
             torch.jit.interface(_StepCore)
-        _SCRIPTED_APPLY.append(script_object(_apply_context))
-    return _SCRIPTED_APPLY[0]
+        _INTERFACE.append(True)
+    return script_object(_Apply(core, params))
 
 
 class _Shard:
@@ -60,18 +68,25 @@ class _Shard:
         self._staged: Any = None
         with _STEP_LOCK:  # TorchScript compilation is not safe from concurrent RPC threads
             self.opt = script(registry.get(name).cls(self.params, *args, **kwargs))
-            self.apply = _scripted_apply()
+            self._core = self.opt.core
+            self.apply = _scripted_apply(self._core, self.params)
 
     def ready(self) -> bool:
         return True
+
+    def _refresh(self) -> None:
+        """After ``param_groups`` changed: sync them into the core (checked)."""
+        core = self.opt.core
+        if core is not self._core:
+            self._core, self.apply = core, _scripted_apply(core, self.params)
 
     def step(self, context_id: int, hyper: Optional[Dict[str, Any]]) -> None:
         with _STEP_LOCK:
             if hyper:
                 for group in self.opt.param_groups:
                     group.update(hyper)
-            core = self.opt.core  # syncs changed hyperparameters into the scripted core
-            self.apply(core, self.params, context_id)
+                self._refresh()
+            self.apply.step(context_id)  # TorchScript, without the GIL
 
     def state_dict(self) -> Dict[str, Any]:
         with _STEP_LOCK:
@@ -89,6 +104,7 @@ class _Shard:
             if staged is None:
                 raise RuntimeError("commit_load without a staged state")
             self.opt.commit_state(staged)
+            self._refresh()
 
 
 def _shard_call(shard: rpc.RRef, method: str, *args: Any) -> Any:
