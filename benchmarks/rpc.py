@@ -234,7 +234,7 @@ def run_phase(model: str, optim: str, peer: str, iters: int, warmup: int, start_
 
 
 # ==================================================================== driver
-STEP_FRAMES = ("_shard_call", "_local_optimizer_step")  # the Python step handlers on ps (funcopt, torch eager)
+STEP_FRAMES = ("_shard_step", "_local_optimizer_step")  # the Python step handlers on ps (funcopt, torch eager)
 FORWARD_FRAMES = (";forward (",)
 
 
@@ -304,7 +304,7 @@ def _report(args: argparse.Namespace, out: Dict[str, Any], setup_s: float, total
     if args.gil_models:
         print(f"GIL on ps ({', '.join(args.gil_models)}): each configuration is run a second time under py-spy --gil "
               f"(nonblocking, {GilSampler.RATE} Hz, {args.gil_factor}x the iterations); 'GIL %' = share of the stepping window some ps thread held "
-              f"the GIL; 'step us' = of that, in the Python step handler (funcopt: _shard_call), per optimizer step; "
+              f"the GIL; 'step us' = of that, in the Python step handler (funcopt: _shard_step), per optimizer step; "
               f"'all us' = everything (RPC decoding, the forward's handler...), per trainer iteration")
     for m in args.models:
         n, numel = MODELS[m]
@@ -348,15 +348,15 @@ def _server_step_fns(model: str, optim: str, rrefs: List[rpc.RRef]) -> Dict[str,
     from torch.distributed.optim import optimizer as tdo
     from torch.distributed.optim.utils import functional_optim_map
 
-    from funcopt.distributed.rpc import _Shard, _shard_call
+    from funcopt.distributed.rpc import _Shard, _shard_step
 
     cls, kw = OPTIMS[optim]
-    shard = rpc.RRef(_Shard(cls.__name__, rrefs, (), dict(kw)))
+    shard = _Shard(cls.__name__, rrefs, (), dict(kw))
     scripted = tdo._new_script_local_optimizer(functional_optim_map[cls], rrefs, **kw)
     eager = tdo._new_local_optimizer(cls, rrefs, **kw)
     return {
         # funcopt: a Python RPC handler takes the worker lock and makes one TorchScript call
-        "funcopt": lambda ctx: _shard_call(shard, "step", ctx, None),
+        "funcopt": lambda ctx: _shard_step(shard.id, ctx, None),
         # torch, SGD/Adam: a TorchScript function (the RPC itself is a script call)
         "torch": lambda ctx: tdo._script_local_optimizer_step(scripted, ctx),
         # the control: torch's eager local optimizer (what it uses for other classes)

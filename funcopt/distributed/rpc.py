@@ -10,7 +10,9 @@ A per-worker lock makes concurrent trainers apply whole steps one at a time.
 """
 from __future__ import annotations
 
+import itertools
 import threading
+import weakref
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -49,6 +51,10 @@ class _Apply:
 
 
 _STEP_LOCK = threading.Lock()  # one optimizer step at a time on this worker, whoever the trainer
+# this worker's shards by id: a step RPC names its shard with an int (no RRef to
+# pickle and resolve per step); the trainer's RRef keeps the shard alive
+_SHARDS: "weakref.WeakValueDictionary[int, _Shard]" = weakref.WeakValueDictionary()
+_SHARD_IDS = itertools.count()
 _INTERFACE: List[bool] = []
 
 
@@ -70,9 +76,11 @@ class _Shard:
             self.opt = script(registry.get(name).cls(self.params, *args, **kwargs))
             self._core = self.opt.core
             self.apply = _scripted_apply(self._core, self.params)
+            self.id = next(_SHARD_IDS)
+            _SHARDS[self.id] = self
 
-    def ready(self) -> bool:
-        return True
+    def ready(self) -> int:
+        return self.id
 
     def _refresh(self) -> None:
         """After ``param_groups`` changed: sync them into the core (checked)."""
@@ -109,6 +117,14 @@ class _Shard:
 
 def _shard_call(shard: rpc.RRef, method: str, *args: Any) -> Any:
     return getattr(shard.local_value(), method)(*args)
+
+
+def _shard_step(shard_id: int, context_id: int, hyper: Optional[Dict[str, Any]]) -> None:
+    """The step RPC (the hot path): the shard by id, then one locked TorchScript call."""
+    shard = _SHARDS.get(shard_id)
+    if shard is None:
+        raise RuntimeError(f"no funcopt optimizer {shard_id} on this worker (its DistributedOptimizer was deleted)")
+    shard.step(context_id, hyper)
 
 
 def _is_tensor(rref: rpc.RRef) -> bool:
@@ -193,8 +209,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self.workers = sorted(self._shards)
             ready = {w: rpc.rpc_async(w, _shard_call, args=(s, "ready"), timeout=self.rpc_timeout)
                      for w, s in self._shards.items()}
-            for w, f in ready.items():
-                self._wait(w, [f], "creating its optimizer")
+            self._ids: Dict[str, int] = {w: self._wait(w, [f], "creating its optimizer")[0] for w, f in ready.items()}
 
     def _wait(self, worker: str, futs: List[Any], what: str) -> List[Any]:
         out = []
@@ -217,8 +232,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self.spec.cls([torch.zeros(1, requires_grad=True)], **dict(self.defaults, **{
                 k: v for k, v in self.param_groups[0].items() if k in self.defaults}))
         with record_function("funcopt::rpc/step"):
-            futs = {w: rpc.rpc_async(w, _shard_call, args=(s, "step", context_id, hyper), timeout=self.rpc_timeout)
-                    for w, s in self._shards.items()}
+            futs = {w: rpc.rpc_async(w, _shard_step, args=(i, context_id, hyper), timeout=self.rpc_timeout)
+                    for w, i in self._ids.items()}
             failures = []
             for w, f in futs.items():
                 try:
