@@ -565,6 +565,52 @@ def _barrier(out_dir: str, me: str, tag: str) -> None:
         _wait_for(_exists(out_dir, f"{tag}-{t}"), 60, f"barrier {tag} of {t}")
 
 
+# -- round robin: 3 trainers, each with its own DistributedOptimizer over the same
+#    parameters on ps, step in turn (t1 drives) -- every registry algorithm
+RR_STEPS = 6
+_RR: Dict[str, Any] = {}
+
+
+def _rr_kind(trainer: str) -> str:
+    return "torch" if trainer != "t2" else "funcopt"  # both ways of naming the class
+
+
+def _rr_build(name: str, rrefs: List[rpc.RRef]) -> None:
+    """On a trainer: its own optimizer for algorithm ``name`` over ``rrefs``."""
+    me = rpc.get_worker_info().name
+    _RR[name] = (DistributedOptimizer(_cls(name, _rr_kind(me)), rrefs, **_combo(name, "last")), rrefs)
+
+
+def _rr_step(name: str, k: int) -> float:
+    """On a trainer: one iteration (batch ``k``) with its optimizer for ``name``."""
+    opt, rrefs = _RR[name]
+    x, y = _batch(k)
+    with dist_autograd.context() as ctx:
+        h = rpc.rpc_sync("ps", _remote_layer, args=(rrefs[:2], x, True))
+        out = rpc.rpc_sync("ps", _remote_layer, args=(rrefs[2:], h, False))
+        loss = F.mse_loss(out, y)
+        dist_autograd.backward(ctx, [loss])
+        opt.step(ctx)
+    return loss.item()
+
+
+def _case_round_robin(name: str) -> Dict[str, Any]:
+    """On t1: place the model on ps, let every trainer build its optimizer, then
+    step k is taken by trainer k % 3."""
+    init = _init_params()
+    rrefs = [rpc.remote("ps", _new_param, args=(t,)) for t in init["ps1"] + init["ps2"]]
+    for t in TRAINERS:  # one after the other
+        if t == "t1":
+            _rr_build(name, rrefs)
+        else:
+            rpc.rpc_sync(t, _rr_build, args=(name, rrefs))
+    losses = []
+    for k in range(RR_STEPS):
+        t = TRAINERS[k % len(TRAINERS)]
+        losses.append(_rr_step(name, k) if t == "t1" else rpc.rpc_sync(t, _rr_step, args=(name, k)))
+    return dict(params=rpc.rpc_sync("ps", _fetch, args=(rrefs,)), losses=losses)
+
+
 def _role_ps1(name: str, out_dir: str) -> None:
     if name == "ps":
         return
@@ -603,6 +649,18 @@ def _role_ps1(name: str, out_dir: str) -> None:
         _barrier(out_dir, name, "finished")
         if name == "t1":
             res["final"] = rpc.rpc_sync("ps", _fetch, args=(rrefs,))
+            _save(out_dir, name, res)
+            try:
+                for alg in registry.REGISTRY:
+                    try:
+                        res[f"rr:{alg}"] = _case_round_robin(alg)
+                    except BaseException:
+                        res[f"rr:{alg}"] = {"__error__": traceback.format_exc()}
+                    _save(out_dir, name, res)
+            finally:
+                _touch(out_dir, "rr-done")
+        else:  # serve t1's round-robin steps until it is done
+            _wait_for(_exists(out_dir, "rr-done"), 120, "t1's round-robin cases")
     finally:
         _save(out_dir, name, res)
 
@@ -903,6 +961,34 @@ def test_concurrent_trainers_lose_no_update(job):
     for i, (g, w) in enumerate(zip(res["t1"]["final"], want)):
         lost = int((g != w).sum())
         assert lost == 0, f"tensor {i}: {lost} elements differ from initial - sum(gradients)"
+
+
+@pytest.mark.parametrize("name", list(registry.REGISTRY))
+def test_three_trainers_in_turn_match_local_torch_optim(job, name):
+    """3 trainers + 1 parameter server: each trainer has its own optimizer (its own
+    state on ps) over the same parameters, and step k is taken by trainer k % 3
+    (t1 and t3 pass the torch.optim class, t2 the funcopt one) == three local
+    torch.optim optimizers over one set of parameters, stepped in the same turn."""
+    got = _case((job("ps1")), f"rr:{name}", name="t1")
+    params = _local_params()
+    flat = params["ps1"] + params["ps2"]
+    opts = [_torch_opt(name, flat, _combo(name, "last")) for _ in TRAINERS]
+    exact = opts[0][1]
+    losses = []
+    for k in range(RR_STEPS):
+        opt = opts[k % len(TRAINERS)][0]
+        x, y = _batch(k)
+        opt.zero_grad(set_to_none=True)
+        loss = F.mse_loss(_layer(params["ps2"], _layer(params["ps1"], x, True), False), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    got_params = {"ps1": got["params"][:2], "ps2": got["params"][2:]}
+    _assert_same(got_params, {w: [p.detach() for p in ps] for w, ps in params.items()}, exact, f"round robin {name}")
+    if exact:
+        assert got["losses"] == losses
+    else:
+        torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(losses), rtol=RTOL, atol=ATOL)
 
 
 def test_concurrent_construction_on_one_worker(job):
