@@ -696,18 +696,23 @@ def _torch_opt(name: str, params: List[torch.Tensor], kw: Dict[str, Any]) -> tup
     return spec.torch_cls(params, **kw, **({"fused": True} if fused else {})), fused
 
 
+def _local_iteration(opt: Any, params: Dict[str, List[torch.Tensor]], k: int) -> float:
+    """The local twin of one remote iteration on batch ``k``."""
+    x, y = _batch(k)
+    opt.zero_grad(set_to_none=True)
+    loss = F.mse_loss(_layer(params["ps2"], _layer(params["ps1"], x, True), False), y)
+    loss.backward()
+    opt.step()
+    return loss.item()
+
+
 def _local_train(opt: Any, params: Dict[str, List[torch.Tensor]], first: int, steps: int,
                  sched: Any = None, hyper: bool = False) -> List[float]:
     losses = []
     for k in range(first, first + steps):
         if hyper:
             _hyper_schedule(opt, k)
-        x, y = _batch(k)
-        opt.zero_grad(set_to_none=True)
-        loss = F.mse_loss(_layer(params["ps2"], _layer(params["ps1"], x, True), False), y)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+        losses.append(_local_iteration(opt, params, k))
         if sched is not None:
             sched.step()
     return losses
@@ -974,15 +979,7 @@ def test_three_trainers_in_turn_match_local_torch_optim(job, name):
     flat = params["ps1"] + params["ps2"]
     opts = [_torch_opt(name, flat, _combo(name, "last")) for _ in TRAINERS]
     exact = opts[0][1]
-    losses = []
-    for k in range(RR_STEPS):
-        opt = opts[k % len(TRAINERS)][0]
-        x, y = _batch(k)
-        opt.zero_grad(set_to_none=True)
-        loss = F.mse_loss(_layer(params["ps2"], _layer(params["ps1"], x, True), False), y)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    losses = [_local_iteration(opts[k % len(TRAINERS)][0], params, k) for k in range(RR_STEPS)]
     got_params = {"ps1": got["params"][:2], "ps2": got["params"][2:]}
     _assert_same(got_params, {w: [p.detach() for p in ps] for w, ps in params.items()}, exact, f"round robin {name}")
     if exact:
