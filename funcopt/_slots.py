@@ -62,6 +62,16 @@ class Slots:
                 bucket_of[i] = b
         self.bucket_index = bucket_of
 
+    def _bad_grad(self, i: int, g: Tensor) -> str:
+        p = self.params[i]
+        if g.shape != p.shape:
+            return "funcopt: gradient " + str(i) + " has shape " + str(g.shape) + " but its parameter has shape " + str(p.shape)
+        if g.dtype != p.dtype:
+            return "funcopt: gradient " + str(i) + " has dtype " + str(g.dtype) + " but its parameter has dtype " + str(p.dtype)
+        if g.device != p.device:
+            return "funcopt: gradient " + str(i) + " is on " + str(g.device) + " but its parameter is on " + str(p.device)
+        return "funcopt: gradient " + str(i) + " is sparse; sparse gradients are not supported"
+
     def select(
         self, grads: List[Optional[Tensor]]
     ) -> Tuple[List[List[int]], List[List[Tensor]]]:
@@ -88,37 +98,16 @@ class Slots:
                 g = grads[i]
                 if g is not None:
                     p = self.params[i]
-                    if g.shape != p.shape:
-                        raise ValueError(
-                            "funcopt: gradient "
-                            + str(i)
-                            + " has shape "
-                            + str(g.shape)
-                            + " but its parameter has shape "
-                            + str(p.shape)
-                        )
-                    if g.dtype != p.dtype:
-                        raise ValueError(
-                            "funcopt: gradient "
-                            + str(i)
-                            + " has dtype "
-                            + str(g.dtype)
-                            + " but its parameter has dtype "
-                            + str(p.dtype)
-                        )
-                    if g.device != p.device:
-                        raise ValueError(
-                            "funcopt: gradient "
-                            + str(i)
-                            + " is on "
-                            + str(g.device)
-                            + " but its parameter is on "
-                            + str(p.device)
-                        )
-                    if g.is_sparse:
-                        raise ValueError(
-                            "funcopt: gradient " + str(i) + " is sparse; sparse gradients are not supported"
-                        )
+                    # one cheap test per gradient; the message is worked out only
+                    # when it fails.  TorchScript: is_same_size builds no size
+                    # lists (2x cheaper); Dynamo cannot trace it, but shapes
+                    # are static there.
+                    if torch.jit.is_scripting():
+                        same = torch.is_same_size(g, p)
+                    else:
+                        same = g.shape == p.shape
+                    if not same or g.dtype != p.dtype or g.device != p.device or g.is_sparse:
+                        raise ValueError(self._bad_grad(i, g))
                     bi.append(i)
                     bg.append(g)
             idx.append(bi)
