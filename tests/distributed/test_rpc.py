@@ -1017,3 +1017,12 @@ def test_demo_rpc_command():
     assert re.search(r"final loss", r.stdout), out
     assert re.search(r"steps/s", r.stdout), out
     assert re.search(r"equal to a local run: yes", r.stdout), out
+
+
+def test_step_for_an_unknown_optimizer_says_so():
+    """The step RPC names its owner-side optimizer by id; a stale id (its
+    DistributedOptimizer was deleted) is a clear error, not a KeyError."""
+    from funcopt.distributed.rpc import _shard_step
+
+    with pytest.raises(RuntimeError, match="no funcopt optimizer 123456789 on this worker"):
+        _shard_step(123456789, 0, None)
