@@ -12,7 +12,12 @@ what all algorithms have in common:
 * one list of state tensors per named slot (``state[slot][param]``), filled
   lazily on a parameter's first gradient, like ``torch.optim``;
 * validation of a gradient list, done for the whole list before any tensor is
-  touched.
+  touched;
+* the step counters of a full bucket as views of one tensor (``step_base``),
+  so a step bumps them with one op instead of one ``add_`` per parameter (on
+  the CPU, ``_foreach_add_`` is a loop of ``add_`` calls).  They are re-homed
+  into a fresh tensor (values kept) whenever the bucket's cached lists are
+  rebuilt, so loading or replacing state needs nothing special.
 
 Note on TorchScript (torch 2.13): an in-place ``torch._foreach_*`` or
 ``torch._fused_*_`` op whose mutated list was freshly built in the method is
@@ -37,6 +42,7 @@ class Slots:
         bucket_fused: List[bool],
         hyper: List[Dict[str, float]],
         num_slots: int,
+        step_slot: int = -1,
     ):
         self.params = params
         self.group_of = group_of
@@ -56,6 +62,10 @@ class Slots:
         ]
         self.bucket_ready: List[bool] = [False for _ in buckets]
         self.live: List[List[Tensor]] = []
+        # the slot holding per-parameter step counters (-1: none), and per
+        # bucket the tensor whose elements they are (empty: not homed)
+        self.step_slot = step_slot
+        self.step_bases: List[Tensor] = [torch.empty(0) for _ in buckets]
         bucket_of: List[int] = [0 for _ in params]
         for b in range(len(buckets)):
             for i in buckets[b]:
@@ -140,6 +150,7 @@ class Slots:
                 for i in idx:
                     ready = ready and self.has_state[i]
                 if ready:
+                    self._home_steps(b, idx)
                     self.full[b] = self.gather(idx)
                     self.bucket_ready[b] = True
             if self.bucket_ready[b]:
@@ -148,6 +159,34 @@ class Slots:
         for lst in out:
             self.live.append(lst)
         return out
+
+    def _home_steps(self, b: int, idx: List[int]) -> None:
+        """Make the step counters of bucket ``b`` (all of it, ``idx``) views of
+        one new tensor, values kept.  Not under torch.compile (aliased mutated
+        inputs) and not for counters of mixed dtype or device."""
+        self.step_bases[b] = torch.empty(0)
+        if self.step_slot < 0 or len(idx) < 2 or torch.compiler.is_compiling():
+            return
+        col = self.state[self.step_slot]
+        first = col[idx[0]]
+        counters: List[Tensor] = []
+        for i in idx:
+            c = col[i]
+            if c.dim() != 0 or c.dtype != first.dtype or c.device != first.device:
+                return
+            counters.append(c)
+        base = torch.stack(counters)
+        for j in range(len(idx)):
+            col[idx[j]] = base[j]
+        self.step_bases[b] = base
+
+    def step_base(self, b: int, idx: List[int]) -> Optional[Tensor]:
+        """The tensor whose elements are the step counters in ``lists(b, idx)``
+        (call after ``lists``), or None: bump them one by one."""
+        base = self.step_bases[b]
+        if base.numel() > 0 and self.bucket_ready[b] and len(idx) == len(self.buckets[b]):
+            return base
+        return None
 
     def gather(self, idx: List[int]) -> List[List[Tensor]]:
         out: List[List[Tensor]] = [[self.params[i] for i in idx]]
@@ -175,6 +214,7 @@ class Slots:
         b = self.bucket_index[i]
         self.bucket_ready[b] = False
         self.full[b] = torch.jit.annotate(List[List[Tensor]], [])
+        self.step_bases[b] = torch.empty(0)
 
     def state_present(self, i: int) -> bool:
         return self.has_state[i]

@@ -172,7 +172,9 @@ class Optimizer(torch.optim.Optimizer):
         group_of = [g for g, group in enumerate(self.param_groups) for _ in group["params"]]
         buckets, fused = self._bucket(params, group_of)
         hyper = [_flatten_hyper(g) for g in self.param_groups]
-        slots = Slots(params, group_of, buckets, fused, hyper, len(self.slots))
+        names = [name for name, _ in self.slots]
+        slots = Slots(params, group_of, buckets, fused, hyper, len(self.slots),
+                      names.index("step") if "step" in names else -1)
         if old_slots is not None:
             for i in range(n_old):
                 if old_slots.state_present(i):

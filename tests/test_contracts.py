@@ -711,3 +711,36 @@ def test_parity_with_torch_for_loop_float64(name, impl, mode, make_params, make_
             assert_state_equal(fo.state_dict()["state"], to.state_dict()["state"], **PARITY_TOL)
         except AssertionError as e:
             raise AssertionError(f"{name} {kw}: {e}") from None
+
+
+# ------------------------------------------------------------- step counters
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("name", [n for n in ALGOS if "step" in [s for s, _ in REGISTRY[n].cls.slots]])
+def test_step_counters_of_a_full_bucket_share_one_tensor(name, impl, mode, make_params, make_grads):
+    """Once every parameter of a bucket has state, its step counters are views of
+    one tensor (bumped with one op); a step with a gradient missing, a load and a
+    new parameter group re-home them, and the counts stay right throughout."""
+    spec = REGISTRY[name]
+    need(spec, impl)
+    params = make_params()
+    opt = make(spec, params, rich(spec), impl, mode)
+
+    def counters():
+        st = opt.state_dict()["state"]
+        return [st[i]["step"] for i in sorted(st)]
+
+    def storages():
+        return {c.untyped_storage().data_ptr() for c in counters()}
+
+    opt.step(make_grads(params, 0))
+    opt.step(make_grads(params, 1))
+    assert len(storages()) == 1, "the counters of one bucket do not share a tensor"
+    assert [float(c) for c in counters()] == [2.0] * len(params)
+    opt.step([None] + make_grads(params, 2)[1:])  # not the full bucket: one by one
+    assert [float(c) for c in counters()] == [2.0] + [3.0] * (len(params) - 1)
+    sd = copy.deepcopy(opt.state_dict())
+    opt.load_state_dict(sd)  # fresh tensors: re-homed at the next full step
+    opt.step(make_grads(params, 3))
+    assert len(storages()) == 1
+    assert [float(c) for c in counters()] == [3.0] + [4.0] * (len(params) - 1)

@@ -21,11 +21,14 @@ def step_values(steps: List[Tensor]) -> List[float]:
     return [float(s.item()) for s in steps]
 
 
-def bump(steps: List[Tensor]) -> None:
-    """``steps += 1``.  For CPU counters the one-tensor overload is ~5x faster
-    than the Scalar one (which wraps the scalar once per tensor), as torch.optim
-    also does; same float32 result."""
-    if len(steps) > 0 and steps[0].is_cpu:
+def bump(steps: List[Tensor], base: Optional[Tensor] = None) -> None:
+    """``steps += 1``.  ``base``: a tensor whose elements are exactly ``steps``
+    (``Slots.step_base``): one op.  Otherwise, for CPU counters the one-tensor
+    overload is ~5x faster than the Scalar one (which wraps the scalar once per
+    tensor), as torch.optim also does; same float32 result."""
+    if base is not None:
+        base.add_(1.0)
+    elif len(steps) > 0 and steps[0].is_cpu:
         torch._foreach_add_(steps, torch.ones(()), alpha=1.0)
     else:
         torch._foreach_add_(steps, 1.0)

@@ -29,6 +29,7 @@ def adagrad(
     fused: bool,
     grad_scale: Optional[Tensor] = None,
     found_inf: Optional[Tensor] = None,
+    step_base: Optional[Tensor] = None,
 ) -> None:
     """Functional Adagrad over aligned lists, in place (``torch._fused_adagrad_``
     when ``fused``, else torch's foreach order: bitwise equal to torch.optim)."""
@@ -37,7 +38,7 @@ def adagrad(
     if fused and torch.compiler.is_compiling():
         fused = False  # torch 2.13 has no fake kernel for this fused op; the foreach formula compiles
     if fused:
-        bump(steps)
+        bump(steps, step_base)
         torch._fused_adagrad_(params, grads, state_sums, steps, lr=lr, lr_decay=lr_decay,
                               weight_decay=weight_decay, eps=eps, maximize=maximize,
                               grad_scale=grad_scale, found_inf=found_inf)
@@ -49,7 +50,7 @@ def adagrad(
     grads = unscale(grads, grad_scale)
     if maximize:
         grads = torch._foreach_neg(grads)
-    bump(steps)
+    bump(steps, step_base)
     if weight_decay != 0:
         if maximize:
             torch._foreach_add_(grads, params, alpha=weight_decay)
@@ -108,7 +109,7 @@ class AdagradCore:
                 h = s.hp(b)
                 L = s.lists(b, idx[b])
                 adagrad(L[0], gs[b], L[2], L[1], h["lr"], h["lr_decay"], h["weight_decay"], h["eps"],
-                        h["maximize"] != 0.0, s.bucket_fused[b], grad_scale, found_inf)
+                        h["maximize"] != 0.0, s.bucket_fused[b], grad_scale, found_inf, s.step_base(b, idx[b]))
         s.release()
 
 

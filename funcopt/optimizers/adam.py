@@ -38,6 +38,7 @@ def adam(
     fused: bool,
     grad_scale: Optional[Tensor] = None,
     found_inf: Optional[Tensor] = None,
+    step_base: Optional[Tensor] = None,
 ) -> None:
     """Functional Adam/AdamW over aligned tensor lists, updated in place.
 
@@ -46,11 +47,13 @@ def adam(
     below runs with ``torch._foreach_*`` ops in the order of torch's foreach
     implementation (bitwise equal to ``foreach=True``).  All lists must share
     one device and dtype; ``max_exp_avg_sqs`` may be empty unless ``amsgrad``.
+    ``step_base``: optional tensor whose elements are exactly ``steps`` (one
+    op bumps them all).
     """
     if len(params) == 0:
         return
     if fused:
-        bump(steps)
+        bump(steps, step_base)
         if torch.compiler.is_compiling() and not amsgrad:
             # torch 2.13 cannot functionalize the in-place fused op with an empty
             # max_exp_avg_sqs list; its out-of-place twin (same kernel) compiles
@@ -83,7 +86,7 @@ def adam(
     grads = unscale(grads, grad_scale)
     if maximize:
         grads = torch._foreach_neg(grads)
-    bump(steps)
+    bump(steps, step_base)
     if weight_decay != 0:
         if decoupled:
             torch._foreach_mul_(params, 1 - lr * weight_decay)
@@ -150,7 +153,7 @@ class AdamCore:
                 adam(L[0], gs[b], L[2], L[3], L[4] if amsgrad else s.keep([]), L[1],
                      h["lr"], h["betas0"], h["betas1"], h["eps"], h["weight_decay"],
                      amsgrad, h["maximize"] != 0.0, h["decoupled_weight_decay"] != 0.0,
-                     fused, grad_scale, found_inf)
+                     fused, grad_scale, found_inf, s.step_base(b, idx[b]))
         s.release()
 
 
