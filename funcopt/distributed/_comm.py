@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import pickle
-from typing import Any, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -69,25 +69,46 @@ def check_same(value: Any, group: Optional[Any], what: str) -> None:
         )
 
 
-def reduce_scatter(output: Tensor, inputs: Sequence[Tensor], group: Optional[Any], owned: bool = False) -> None:
+class Pending:
+    """An issued reduce-scatter; ``wait()`` completes it (``output`` is valid after)."""
+
+    def __init__(self, works: List[Any], finish: Optional[Callable[[], None]] = None):
+        self.works = works
+        self.finish = finish
+
+    def wait(self) -> None:
+        for w in self.works:
+            w.wait()
+        self.works = []
+        if self.finish is not None:
+            finish, self.finish = self.finish, None
+            finish()
+
+
+def reduce_scatter(output: Tensor, inputs: Sequence[Tensor], group: Optional[Any], owned: bool = False,
+                   async_op: bool = False) -> Optional[Pending]:
     """``output <- sum over ranks of inputs[my rank]``.
 
-    NCCL (and other backends): one ``reduce_scatter_single``.  gloo runs that as
+    NCCL (and other backends): one ``reduce_scatter_tensor``.  gloo runs that as
     a full all-reduce; one ``reduce`` to each owner, all in flight at once, moved
     the same bytes ~3x faster on loopback, so gloo gets that.  ``owned=True``
-    lets the reduces work in ``inputs`` (the caller's buffers, e.g. a bucket's).
+    lets the reduces work in ``inputs`` (the caller's buffers, e.g. a bucket's:
+    leave them alone until it completes).  ``async_op=True`` returns a
+    :class:`Pending` to ``wait()`` on instead of waiting here.
     """
     rank, world = rank_and_size(group)
     if dist.get_backend(group) == "gloo":
         bufs = list(inputs) if owned else [t.clone() for t in inputs]
         works = [dist.reduce(bufs[r], dst=r if group is None else dist.get_global_rank(group, r),
                              group=group, async_op=True) for r in range(world)]
-        for w in works:
-            w.wait()
-        output.copy_(bufs[rank].view_as(output))
-        return
-    flat = torch.cat([t.reshape(-1) for t in inputs])
-    dist.reduce_scatter_single(output.view(-1), flat, group=group)
+        pending = Pending(works, lambda: output.copy_(bufs[rank].view_as(output)))
+    else:
+        flat = torch.cat([t.reshape(-1) for t in inputs])
+        pending = Pending([dist.reduce_scatter_tensor(output.view(-1), flat, group=group, async_op=True)])
+    if async_op:
+        return pending
+    pending.wait()
+    return None
 
 
 def send_object(obj: Any, dst: int, group: Optional[Any]) -> None:

@@ -68,7 +68,8 @@ def worker(rank: int, world: int, out_dir: str) -> None:
     out: Dict[str, Any] = {}
 
     # 1. small inputs of several sizes and dtypes, then a large one that bypasses the bucket
-    b = ReduceScatterBucketer(bucket_size_mb=MB)
+    #    (max_in_flight=0: every issued reduce-scatter completes before the call returns)
+    b = ReduceScatterBucketer(bucket_size_mb=MB, max_in_flight=0)
     got: Dict[int, torch.Tensor] = {}
     immediate: List[int] = []
     specs = SMALL + [LARGE]
@@ -79,7 +80,7 @@ def worker(rank: int, world: int, out_dir: str) -> None:
     out["small"].update(got=got, buckets_after=len(b.buckets), free_after_flush=_catch(b.free))
 
     # 2. more than a bucket of small inputs: it flushes by itself when full
-    b = ReduceScatterBucketer(bucket_size_mb=MB)
+    b = ReduceScatterBucketer(bucket_size_mb=MB, max_in_flight=0)
     got, immediate = {}, []
     _issue(b, FILL, rank, world, None, got, immediate, first_call=100)
     out["fill"] = dict(before_flush=sorted(got))
@@ -103,9 +104,10 @@ def worker(rank: int, world: int, out_dir: str) -> None:
         lambda: b.reduce_scatter_async([torch.ones(3)] * (world - 1) + [torch.ones(3, dtype=torch.float64)], None))
     out["after_errors_buckets"] = len(b.buckets)
     out["negative_size"] = _catch(lambda: ReduceScatterBucketer(bucket_size_mb=-1))
+    out["negative_in_flight"] = _catch(lambda: ReduceScatterBucketer(max_in_flight=-1))
 
     # 5. bucket_size_mb=0: everything goes straight through
-    b = ReduceScatterBucketer(bucket_size_mb=0)
+    b = ReduceScatterBucketer(bucket_size_mb=0, max_in_flight=0)
     got, immediate = {}, []
     _issue(b, SMALL, rank, world, None, got, immediate, first_call=300)
     out["nobucket"] = dict(immediate=immediate, buckets=len(b.buckets))
@@ -117,6 +119,19 @@ def worker(rank: int, world: int, out_dir: str) -> None:
     b.reduce_scatter_async([torch.ones(3)] * world, None)
     b.flush()
     out["no_callback_buckets"] = len(b.buckets)
+
+    # 8. asynchronous (the default, 2 in flight): full buckets and large inputs are
+    #    issued and left running; at most 2 outstanding; flush() completes them all
+    b = ReduceScatterBucketer(bucket_size_mb=MB)
+    got, immediate = {}, []
+    most = 0
+    specs = FILL + [LARGE] * 4
+    for k, spec in enumerate(specs, start=500):
+        _issue(b, [spec], rank, world, None, got, immediate, first_call=k)
+        most = max(most, len(b.in_flight))
+    out["async"] = dict(most_in_flight=most, in_flight_before_flush=len(b.in_flight), before_flush=sorted(got))
+    b.flush()
+    out["async"].update(got=got, in_flight_after=len(b.in_flight), free_after=_catch(b.free))
 
     # 7. (W=4) two groups interleaved: the world and this rank's pair, separate buckets
     if world == 4:

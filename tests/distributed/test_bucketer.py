@@ -61,6 +61,21 @@ def test_small_and_large_inputs(run, world):
 
 
 @pytest.mark.parametrize("world", WORLDS)
+def test_async_reduce_scatters_overlap_and_flush_completes_them(run, world):
+    """Default max_in_flight=2: issued reduce-scatters keep running while the caller
+    goes on (some callbacks are still pending before flush), never more than 2 are
+    outstanding, and after flush() every callback has run with the right sum."""
+    specs = B.FILL + [B.LARGE] * 4
+    for r, res in run(world).items():
+        a = res["async"]
+        assert a["most_in_flight"] == 2, a["most_in_flight"]
+        assert a["in_flight_before_flush"] > 0
+        assert len(a["before_flush"]) < len(specs)
+        _check_sums(a["got"], world, r, specs, 500)
+        assert a["in_flight_after"] == 0 and a["free_after"] is None
+
+
+@pytest.mark.parametrize("world", WORLDS)
 def test_bucket_flushes_when_full(run, world):
     for r, res in run(world).items():
         f = res["fill"]
@@ -83,7 +98,8 @@ def test_free_with_unflushed_data_raises(run, world):
 @pytest.mark.parametrize("world", WORLDS)
 def test_bad_inputs_raise_value_error(run, world):
     for r, res in run(world).items():
-        for what in ("wrong_count", "too_few", "mismatched_shapes", "mismatched_dtypes", "negative_size"):
+        for what in ("wrong_count", "too_few", "mismatched_shapes", "mismatched_dtypes", "negative_size",
+                     "negative_in_flight"):
             assert res[what] is not None and res[what].startswith("ValueError"), f"rank {r} {what}: {res[what]}"
         assert res["after_errors_buckets"] == 0, "a rejected input must not leave a bucket behind"
 
