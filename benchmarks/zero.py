@@ -19,6 +19,7 @@ each), so clock drift and background load hit all peers alike:
 * ``f_greedy``      DDP + funcopt ZeRO-1, ``partition="greedy"``
 * ``f_flat_bv``     DDP + funcopt ZeRO-1 flat, ``parameters_as_bucket_view=True``
 * ``f_z2``          funcopt ZeRO-2 (no DDP: gradients reduce-scattered during backward)
+* ``f_z2_bv``       the same with ``parameters_as_bucket_view=True``
 
 Each training step is timed in two parts: ``fwd+bwd`` (``zero_grad``, forward,
 backward; for DDP peers it includes the gradient all-reduce, for ZeRO-2 the
@@ -79,6 +80,7 @@ PEERS = {
     "f_greedy": "DDP + funcopt ZeRO-1 greedy",
     "f_flat_bv": "DDP + funcopt ZeRO-1 flat (bucket view)",
     "f_z2": "funcopt ZeRO-2 (no DDP)",
+    "f_z2_bv": "funcopt ZeRO-2 (no DDP, bucket view)",
 }
 MiB = 1024 * 1024
 
@@ -138,7 +140,7 @@ class Peer:
                    if isinstance(t, torch.Tensor))
 
     def held_grad_bytes(self) -> int:
-        if self.key == "f_z2":
+        if self.key.startswith("f_z2"):
             return int(self.opt.grad_shard_bytes())
         return sum(p.grad.numel() * p.grad.element_size() for p in self.params if p.grad is not None)
 
@@ -167,12 +169,13 @@ def make_peer(key: str, base: torch.nn.Module, lr: float, bucket_mb: int, ddp_kw
     elif key in ("f_flat", "f_greedy", "f_flat_bv"):
         opt = FZero(model.parameters(), torch.optim.Adam, parameters_as_bucket_view=(key == "f_flat_bv"),
                     partition="greedy" if key == "f_greedy" else "flat", bucket_size_mb=bucket_mb, lr=lr)
-    elif key == "f_z2":
-        opt = FZero(model.parameters(), torch.optim.Adam, zero_stage=2, bucket_size_mb=bucket_mb, lr=lr)
+    elif key in ("f_z2", "f_z2_bv"):
+        opt = FZero(model.parameters(), torch.optim.Adam, zero_stage=2, bucket_size_mb=bucket_mb, lr=lr,
+                    parameters_as_bucket_view=(key == "f_z2_bv"))
     else:
         raise ValueError(key)
     # DDP after the optimizer: bucket views replace p.data, DDP must see the final storage.
-    net = model if key == "f_z2" else DDP(model, **ddp_kw)
+    net = model if key.startswith("f_z2") else DDP(model, **ddp_kw)
     return Peer(key, model, net, opt)
 
 
@@ -539,7 +542,7 @@ def report(args, world, n_params, n_tensors, peers, everyone, diffs, breakdown, 
                 verdicts.append(f"{res[k]['name']} step+sync faster than torch ZeRO: {ratio:.2f}x -> "
                                 f"{'MET' if ratio < 1.0 else 'MISSED'}")
     bucket = args.bucket_size_mb * MiB
-    for k in ("f_flat", "f_greedy", "f_flat_bv", "f_z2"):
+    for k in ("f_flat", "f_greedy", "f_flat_bv", "f_z2", "f_z2_bv"):
         if k in res:
             worst = max(res[k]["state"])
             ok = worst <= state_full / world + bucket
