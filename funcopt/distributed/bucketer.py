@@ -34,9 +34,10 @@ class _Bucket:
         self.offset = 0
         self.callbacks: List[Callable[[Tensor], None]] = []  # each gets the bucket's output
 
-    def issue(self) -> Optional[Tuple[Pending, List[Callable[[], None]]]]:
+    def issue(self, refill: bool) -> Optional[Tuple[Pending, List[Callable[[], None]]]]:
         """Start reducing what is in the bucket; the buffer goes with the
-        operation and the bucket starts over in a new one."""
+        operation.  ``refill``: the bucket starts over in a new buffer (when it
+        filled up; not on a flush, which drops the bucket)."""
         if self.offset == 0:
             return None
         with record_function("funcopt::bucketer/reduce_scatter"):
@@ -44,7 +45,8 @@ class _Bucket:
             output = torch.empty(self.offset, dtype=self.data.dtype, device=self.data.device)
             pending = reduce_scatter(output, list(used.unbind(0)), self.group, owned=True, async_op=True)
         done = [lambda cb=cb: cb(output) for cb in self.callbacks]
-        self.data = torch.empty_like(self.data)
+        if refill:
+            self.data = torch.empty_like(self.data)
         self.offset = 0
         self.callbacks = []
         assert pending is not None
@@ -128,7 +130,7 @@ class ReduceScatterBucketer:
         key = (first.dtype, first.device, group)
         bucket = self.buckets.get(key)
         if bucket is not None and numel > bucket.data.size(1) - bucket.offset:
-            self._launched(bucket.issue())
+            self._launched(bucket.issue(refill=True))
         if bucket is None:
             data = torch.empty(world, capacity, dtype=first.dtype, device=first.device)
             bucket = self.buckets[key] = _Bucket(data, group)
@@ -147,7 +149,7 @@ class ReduceScatterBucketer:
         """Reduce-scatter every partially filled bucket, complete every reduce-scatter
         in flight and run all callbacks; frees the buffers."""
         for key in list(self.buckets):
-            op = self.buckets[key].issue()
+            op = self.buckets[key].issue(refill=False)
             if op is not None:
                 self.in_flight.append(op)
         self.buckets.clear()

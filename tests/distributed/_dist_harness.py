@@ -143,14 +143,17 @@ def run_cases(rank: int, out_dir: str, cases: Sequence[Dict[str, Any]], runner: 
         save(out_dir, rank, seconds, name + "-seconds")
 
 
-def case_result(spawned: SpawnResult, results: Dict[int, Dict[str, Any]], name: str, rank: int = 0) -> Any:
-    """The result of case ``name`` on ``rank``; fails with the child's traceback if it has none."""
+def case_result(spawned: Any, results: Dict[Any, Dict[str, Any]], name: str, rank: Any = 0) -> Any:
+    """The result of case ``name`` on ``rank`` (a rank, or a process name);
+    fails with the child's traceback if it has none.  ``spawned.report()``
+    describes the processes."""
+    who = f"rank {rank}" if isinstance(rank, int) else str(rank)
     res = results.get(rank)
     if res is None or name not in res:
-        raise AssertionError(f"case {name!r} did not run on rank {rank}\n" + spawned.report())
+        raise AssertionError(f"case {name!r} did not run on {who}\n" + spawned.report())
     value = res[name]
     if isinstance(value, dict) and "__error__" in value:
-        raise AssertionError(f"case {name!r} failed on rank {rank}:\n{value['__error__']}\n" + spawned.report())
+        raise AssertionError(f"case {name!r} failed on {who}:\n{value['__error__']}\n" + spawned.report())
     return value
 
 

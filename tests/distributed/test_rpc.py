@@ -51,6 +51,8 @@ import funcopt  # noqa: E402
 from funcopt import registry  # noqa: E402
 from funcopt.distributed import DistributedOptimizer  # noqa: E402
 
+from _dist_harness import case_result  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[2]
 RPC_TIMEOUT = 20.0       # the agent's default timeout (every RPC not given its own)
 FAULT_TIMEOUT = 3.0      # DistributedOptimizer(rpc_timeout=...) in the fault cases
@@ -176,13 +178,7 @@ def _run_cases(out_dir: str, name: str, cases: Sequence[tuple]) -> None:
 
 def _case(job: "Job", case: str, name: str = "trainer") -> Any:
     spawned, results = job
-    res = results.get(name)
-    if res is None or case not in res:
-        raise AssertionError(f"case {case!r} did not run on {name}\n" + spawned.report())
-    value = res[case]
-    if isinstance(value, dict) and "__error__" in value:
-        raise AssertionError(f"case {case!r} failed on {name}:\n{value['__error__']}\n" + spawned.report())
-    return value
+    return case_result(spawned, results, case, name)
 
 
 Job = tuple  # (Spawned, {process name: {case: result}})
