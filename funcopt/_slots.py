@@ -71,6 +71,9 @@ class Slots:
             for i in buckets[b]:
                 bucket_of[i] = b
         self.bucket_index = bucket_of
+        # bumped whenever a state tensor is replaced (allocation, set_state,
+        # re-homed step counters): the Python wrapper re-reads its state view
+        self.epoch = 0
 
     def _bad_grad(self, i: int, g: Tensor) -> str:
         p = self.params[i]
@@ -141,6 +144,7 @@ class Slots:
             self.state[k][i] = values[k]
         self.has_state[i] = True
         self.bucket_ready[self.bucket_index[i]] = False
+        self.epoch += 1
 
     def lists(self, b: int, idx: List[int]) -> List[List[Tensor]]:
         """``[params, slot0, slot1, ...]`` restricted to ``idx`` (all with state)."""
@@ -176,6 +180,7 @@ class Slots:
                 return
             counters.append(c)
         base = torch.stack(counters)
+        self.epoch += 1
         for j in range(len(idx)):
             col[idx[j]] = base[j]
         self.step_bases[b] = base
@@ -211,6 +216,7 @@ class Slots:
         for k in range(self.num_slots):
             self.state[k][i] = values[k]
         self.has_state[i] = present
+        self.epoch += 1
         b = self.bucket_index[i]
         self.bucket_ready[b] = False
         self.full[b] = torch.jit.annotate(List[List[Tensor]], [])

@@ -37,7 +37,7 @@ IMPLS = ("auto", "foreach", "fused")
 _FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # torch's own group keys that choose torch's implementation; we keep them in
 # param_groups (the state_dict format) but they do not feed the core.
-_IMPL_KEYS = ("foreach", "fused", "capturable", "differentiable")
+_IMPL_KEYS = ("foreach", "fused", "capturable")
 _JIT_MSG = re.compile(r"ValueError: (funcopt: [^\n]*)")
 
 
@@ -77,11 +77,6 @@ class Optimizer(torch.optim.Optimizer):
     def __init__(self, params: Any, defaults: Dict[str, Any], impl: str = "auto") -> None:
         if impl not in IMPLS:
             raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-        if defaults.get("differentiable"):
-            raise ValueError(
-                f"{type(self).__name__}: differentiable=True is not supported by funcopt "
-                "(steps run under no_grad); use torch.optim for that"
-            )
         if defaults.get("fused") and impl == "foreach":
             raise ValueError("fused=True conflicts with impl='foreach'")
         if defaults.get("foreach") and impl == "fused":
@@ -129,10 +124,6 @@ class Optimizer(torch.optim.Optimizer):
         if params is not None and not isinstance(params, (Tensor, set)):
             param_group = dict(param_group, params=list(params))  # a generator is read once
             params = param_group["params"]
-        for p in [params] if isinstance(params, Tensor) else params or ():
-            t = p[1] if isinstance(p, tuple) and len(p) == 2 else p  # named parameters
-            if isinstance(t, Tensor) and t.is_complex():
-                raise ValueError("funcopt does not support complex parameters yet")
         # torch's checks: leaf tensors, duplicates, defaults filled in.
         n_before = len(self.param_groups)
         super().add_param_group(param_group)
