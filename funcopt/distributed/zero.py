@@ -407,6 +407,36 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                 out.append((s.param, s.start, s.length, {n: t.detach().cpu() for n, t in state[k].items()}))
         return out
 
+    # public surface of the sharded state, for funcopt.distributed.checkpoint
+    def shard_state(self) -> List[Tuple[int, int, int, Dict[str, Tensor]]]:
+        """This rank's optimizer state as ``(param, start, length, {name: tensor})`` pieces.
+
+        ``param`` indexes the parameters in ``param_groups`` order; the tensors
+        are flat ranges ``[start, start + length)`` of the flattened parameter's
+        state (0-d tensors, such as ``step``, whole).  Local, no communication.
+        """
+        return self._local_pieces()
+
+    def stage_shard_state(self, pieces: List[Tuple[int, int, int, Dict[str, Tensor]]],
+                          param_groups: List[Dict[str, Any]]) -> Any:
+        """Check pieces covering this rank's ranges (as :meth:`shard_state` gives them) and the
+        hyperparameters of ``param_groups``; returns what :meth:`commit_shard_state` applies.
+        Changes nothing; raises ``ValueError`` (or the core's error) on bad input.  Local."""
+        if len(param_groups) != len(self.param_groups):
+            raise ValueError(f"{len(param_groups)} param groups given, optimizer has {len(self.param_groups)}")
+        hyper = [{k: v for k, v in g.items() if k not in ("params", "param_names")} for g in param_groups]
+        local_sd = self._local_state_from_pieces(pieces)
+        for gi, h in enumerate(hyper):
+            local_sd["param_groups"][gi].update(h)
+        return hyper, self._local.stage_state(local_sd)
+
+    def commit_shard_state(self, staged: Any) -> None:
+        """Apply what :meth:`stage_shard_state` returned.  Local."""
+        hyper, local = staged
+        for group, h in zip(self.param_groups, hyper):
+            group.update(h)
+        self._local.commit_state(local)
+
     def _gather_pieces(self) -> List[Tuple[int, int, int, Dict[str, Tensor]]]:
         return [piece for part in _comm.all_gather_object(self._local_pieces(), self.process_group) for piece in part]
 
