@@ -18,6 +18,13 @@ A subclass declares, as class attributes:
   be truthy for it to exist (``None`` = always), e.g. ``max_exp_avg_sq`` only
   with ``amsgrad``.
 * ``fused_devices``: device types on which the ATen fused kernel exists.
+
+``opt.state`` is a live ``defaultdict(dict)`` keyed by parameter, as in
+torch: its tensors *are* the core's state (in-place edits are seen by the next
+step), and entries written or deleted through it are checked and pushed into
+the core before the next step.  Steps, ``funcopt.script``, ``state_dict`` and
+``load_state_dict`` of one optimizer are serialized by a lock; different
+optimizers step in parallel (a scripted step runs without the GIL).
 """
 from __future__ import annotations
 
@@ -25,12 +32,14 @@ import functools
 import inspect
 import math
 import re
-from collections.abc import Iterable
+import threading
+from collections import defaultdict
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
+from . import state_format
 from ._slots import Slots
 
 IMPLS = ("auto", "foreach", "fused")
@@ -60,13 +69,119 @@ def _torch_kwargs(cls: type) -> frozenset:
     return frozenset(inspect.signature(cls.__init__).parameters) - {"self", "params"}
 
 
+class _Flag:
+    """Shared "the user wrote to ``opt.state``" marker."""
+
+    __slots__ = ("dirty",)
+
+    def __init__(self) -> None:
+        self.dirty = False
+
+
+class _Entry(dict):
+    """One parameter's state in ``opt.state``: a dict that marks writes."""
+
+    __slots__ = ("_flag",)
+
+    def __init__(self, flag: _Flag, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._flag = flag
+
+    def _mark(self) -> None:
+        self._flag.dirty = True
+
+    def __setitem__(self, k: Any, v: Any) -> None:
+        self._mark()
+        super().__setitem__(k, v)
+
+    def __delitem__(self, k: Any) -> None:
+        self._mark()
+        super().__delitem__(k)
+
+    def clear(self) -> None:
+        self._mark()
+        super().clear()
+
+    def pop(self, *a: Any) -> Any:
+        self._mark()
+        return super().pop(*a)
+
+    def popitem(self) -> Any:
+        self._mark()
+        return super().popitem()
+
+    def setdefault(self, k: Any, d: Any = None) -> Any:
+        self._mark()
+        return super().setdefault(k, d)
+
+    def update(self, *a: Any, **kw: Any) -> None:
+        self._mark()
+        super().update(*a, **kw)
+
+    def __reduce__(self) -> Any:  # pickles and deep-copies as a plain dict
+        return (dict, (dict(self),))
+
+
+class _LiveState(defaultdict):
+    """``opt.state``: ``defaultdict(dict)`` keyed by parameter, writes marked."""
+
+    def __init__(self, flag: _Flag) -> None:
+        super().__init__(functools.partial(_Entry, flag))
+        self._flag = flag
+
+    def __setitem__(self, k: Any, v: Any) -> None:
+        self._flag.dirty = True
+        if isinstance(v, dict) and not isinstance(v, _Entry):
+            v = _Entry(self._flag, v)
+        super().__setitem__(k, v)
+
+    def __delitem__(self, k: Any) -> None:
+        self._flag.dirty = True
+        super().__delitem__(k)
+
+    def clear(self) -> None:
+        self._flag.dirty = True
+        super().clear()
+
+    def pop(self, *a: Any) -> Any:
+        self._flag.dirty = True
+        return super().pop(*a)
+
+    def popitem(self) -> Any:
+        self._flag.dirty = True
+        return super().popitem()
+
+    def setdefault(self, k: Any, d: Any = None) -> Any:
+        self._flag.dirty = True
+        return super().setdefault(k, d)
+
+    def update(self, *a: Any, **kw: Any) -> None:
+        for k, v in dict(*a, **kw).items():
+            self[k] = v
+
+    def _set_quiet(self, k: Any, v: Dict[str, Any]) -> None:
+        entry = dict.get(self, k)
+        if isinstance(entry, _Entry):
+            dict.clear(entry)
+            dict.update(entry, v)
+        else:
+            dict.__setitem__(self, k, _Entry(self._flag, v))
+
+    def __reduce__(self) -> Any:  # a plain defaultdict(dict) of plain dicts
+        return (defaultdict, (dict,), None, None, iter((k, dict(v) if isinstance(v, dict) else v)
+                                                         for k, v in self.items()))
+
+    def __repr__(self) -> str:
+        return repr(dict(self))
+
+
 class Optimizer(torch.optim.Optimizer):
     """Base class of funcopt optimizers (see the module docstring).
 
     ``step(grads, grad_scale=None, found_inf=None)`` takes one gradient (or
-    ``None``) per parameter, in ``param_groups`` order.  ``step()`` or
-    ``step(closure)`` reads ``p.grad`` instead, so a funcopt optimizer is also a
-    drop-in ``torch.optim`` optimizer.
+    ``None``) per parameter, in ``param_groups`` order.  ``step()``,
+    ``step(closure)`` or ``step(closure=closure)`` reads ``p.grad`` instead,
+    so a funcopt optimizer is also a drop-in ``torch.optim`` optimizer.
     """
 
     torch_class: type = torch.optim.Optimizer
@@ -85,30 +200,59 @@ class Optimizer(torch.optim.Optimizer):
         if impl == "auto":
             impl = "fused" if defaults.get("fused") else "foreach" if defaults.get("foreach") else "auto"
         self.impl = impl
-        self._core: Any = None
-        self._scripted = False
+        self._init_private()
         super().__init__(params, defaults)
-        self._build_core(None)
+        self._build_core({})
+
+    def _init_private(self) -> None:
+        d = self.__dict__
+        d["_lock"] = threading.RLock()
+        d["_state_flag"] = _Flag()
+        d["state"] = _LiveState(d["_state_flag"])
+        d["_core"] = None
+        d["_scripted"] = False
+        d["_structure"] = ()
+        d["_epoch"] = -1
+        d["_fused_unavailable"] = None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "state" and "_state_flag" in self.__dict__:
+            live = _LiveState(self._state_flag)
+            for k, v in dict(value or {}).items():
+                dict.__setitem__(live, k, _Entry(self._state_flag, v) if isinstance(v, dict) else v)
+            self._state_flag.dirty = True
+            value = live
+        object.__setattr__(self, name, value)
+
+    # ------------------------------------------------------------- pickling
+    def __getstate__(self) -> Dict[str, Any]:
+        with self._lock:
+            self._prepare(refresh=True)
+            return {
+                "defaults": self.defaults,
+                "param_groups": self.param_groups,
+                "state": {k: dict(v) if isinstance(v, dict) else v for k, v in self.state.items()},
+                "impl": self.impl,
+                "scripted": self._scripted,
+            }
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        saved_state = state.get("state", {})
+        scripted = state.get("scripted", False)
+        self._init_private()
+        torch.optim.Optimizer.__setstate__(self, {
+            "defaults": state["defaults"], "param_groups": state["param_groups"],
+            "impl": state.get("impl", "auto"),
+        })
+        with self._lock:
+            self._build_core({})
+            for k, v in saved_state.items():
+                self.state[k] = v
+            self._push_state()
+            if scripted:
+                self._script()
 
     # ------------------------------------------------------------------ setup
-    @property
-    def state(self) -> Dict[Tensor, Dict[str, Any]]:  # type: ignore[override]
-        """A fresh ``{param: {name: tensor}}`` view of the core's state."""
-        core = self.__dict__.get("_core")
-        out: Dict[Tensor, Dict[str, Any]] = {}
-        if core is None:
-            return out
-        for i, p in enumerate(self._flat_params()):
-            entry = self._state_entry(i)
-            if entry:
-                out[p] = entry
-        return out
-
-    @state.setter
-    def state(self, value: Any) -> None:
-        if value:
-            raise AttributeError("funcopt state is set through load_state_dict()")
-
     def _flat_params(self) -> List[Tensor]:
         return [p for g in self.param_groups for p in g["params"]]
 
@@ -123,56 +267,104 @@ class Optimizer(torch.optim.Optimizer):
         params = param_group.get("params")
         if params is not None and not isinstance(params, (Tensor, set)):
             param_group = dict(param_group, params=list(params))  # a generator is read once
-            params = param_group["params"]
-        # torch's checks: leaf tensors, duplicates, defaults filled in.
-        n_before = len(self.param_groups)
-        super().add_param_group(param_group)
-        try:
-            self._validate_hyper(self.param_groups[-1])
-        except Exception:
-            del self.param_groups[n_before:]
-            raise
-        if self.__dict__.get("_core") is not None:
-            self._build_core(self._slots)
+        with self._lock:
+            if self._core is not None:
+                self._prepare(refresh=True)
+            # torch's checks: leaf tensors, duplicates, defaults filled in.
+            n_before = len(self.param_groups)
+            super().add_param_group(param_group)
+            try:
+                self._validate_hyper(self.param_groups[-1])
+            except Exception:
+                del self.param_groups[n_before:]
+                raise
+            if self._core is not None:
+                self._rebuild()
 
     def _bucket(self, params: List[Tensor], group_of: List[int]) -> Tuple[List[List[int]], List[bool]]:
         keys: Dict[Tuple[int, str, torch.dtype], int] = {}
         buckets: List[List[int]] = []
         fused: List[bool] = []
+        unavailable = None
         for i, p in enumerate(params):
             key = (group_of[i], str(p.device), p.dtype)
             if key not in keys:
                 keys[key] = len(buckets)
-                can_fuse = p.device.type in self.fused_devices and p.dtype in _FUSED_DTYPES
-                if self.impl == "fused" and not can_fuse:
-                    raise ValueError(
-                        f"{type(self).__name__}: impl='fused' (fused=True) is not available for "
-                        f"{p.dtype} on {p.device.type}; fused kernels exist for "
-                        f"{', '.join(self.fused_devices)} and floating dtypes"
+                can_fuse = (p.device.type in self.fused_devices and p.dtype in _FUSED_DTYPES)
+                if self.impl == "fused" and not can_fuse and unavailable is None:
+                    # torch.optim raises this at the first step, not at construction
+                    unavailable = (
+                        "`fused=True` requires all the params to be floating point Tensors of supported "
+                        f"devices: {list(self.fused_devices)} but {p.dtype} and {p.device.type} "
+                        f"({type(self).__name__}, parameter {i})"
                     )
                 buckets.append([])
                 fused.append(can_fuse and self.impl != "foreach")
             buckets[keys[key]].append(i)
+        self._fused_unavailable = unavailable
         return buckets, fused
 
-    def _build_core(self, old_slots: Any) -> None:
-        """(Re)build the slots and core; ``old_slots`` state carries over by index
-        (``add_param_group`` appends, so old indices stay valid)."""
-        n_old = len(self.__dict__.get("_group_of", ()))
+    def _structure_key(self) -> Tuple[Any, ...]:
+        return tuple((g, g["params"], len(g["params"])) for g in self.param_groups)
+
+    def _structure_changed(self) -> bool:
+        cur = self.param_groups
+        old = self._structure
+        if len(cur) != len(old):
+            return True
+        for g, (og, op, on) in zip(cur, old):
+            if g is not og or g.get("params") is not op or len(op) != on:
+                return True
+        return False
+
+    def _build_core(self, carry: Dict[int, List[Tensor]]) -> None:
+        """(Re)build the slots and core over the current ``param_groups``;
+        ``carry`` maps ``id(param)`` to state (slot order) that carries over."""
         params = self._flat_params()
+        dup = state_format.find_duplicate(params)
+        if dup is not None:
+            raise ValueError(
+                f"{type(self).__name__}: parameter {dup} appears more than once in param_groups; "
+                "each parameter may be in one group only"
+            )
         group_of = [g for g, group in enumerate(self.param_groups) for _ in group["params"]]
         buckets, fused = self._bucket(params, group_of)
         hyper = [_flatten_hyper(g) for g in self.param_groups]
         names = [name for name, _ in self.slots]
         slots = Slots(params, group_of, buckets, fused, hyper, len(self.slots),
                       names.index("step") if "step" in names else -1)
-        if old_slots is not None:
-            for i in range(n_old):
-                if old_slots.state_present(i):
-                    slots.set_state(i, [old_slots.get_state(k, i) for k in range(len(self.slots))], True)
+        for i, p in enumerate(params):
+            vals = carry.get(id(p))
+            if vals is not None:
+                slots.set_state(i, vals, True)
         self._hyper_cache = hyper
         self._group_of = group_of
+        self._structure = self._structure_key()
         self._install(slots)
+        self._refresh_state()
+
+    def _carry(self) -> Dict[int, List[Tensor]]:
+        slots = self.__dict__.get("_slots")
+        if slots is None:
+            return {}
+        out: Dict[int, List[Tensor]] = {}
+        for i, p in enumerate(slots.params):
+            if slots.state_present(i):
+                out[id(p)] = [slots.get_state(k, i) for k in range(len(self.slots))]
+        return out
+
+    def _rebuild(self) -> None:
+        """New core over the current ``param_groups``; state carried by parameter."""
+        for group in self.param_groups:  # raw dicts appended to param_groups
+            for k, v in self.defaults.items():
+                group.setdefault(k, v)
+            if not isinstance(group.get("params"), list):
+                group["params"] = [group["params"]] if isinstance(group.get("params"), Tensor) else list(group["params"])
+            for p in group["params"]:
+                if not isinstance(p, Tensor):
+                    raise TypeError(f"{type(self).__name__}: param_groups hold {type(p).__name__}, expected tensors")
+            self._validate_hyper(group)
+        self._build_core(self._carry())
 
     def _install(self, slots: Any) -> None:
         """Make ``slots`` (and a core over it) current, scripted if the optimizer is.
@@ -188,24 +380,97 @@ class Optimizer(torch.optim.Optimizer):
             if not isinstance(slots, torch.jit.RecursiveScriptClass):
                 self.core_class(slots)  # eager constructor work (e.g. Adagrad's initial state)
                 slots = script_object(slots)
-            self._slots = slots
-            self._core = script_object(self.core_class(slots))
+            core = script_object(self.core_class(slots))
         else:
-            self._slots = slots
-            self._core = self.core_class(slots)
+            core = self.core_class(slots)
+        self._slots = slots
+        self._core = core
+        self._epoch = -1
 
     def _script(self) -> None:
-        if not self._scripted:
-            self._scripted = True
-            self._install(self._slots)
+        with self._lock:
+            if not self._scripted:
+                self._prepare(refresh=True)
+                if any(g.get("differentiable") for g in self.param_groups):
+                    raise ValueError(
+                        f"{type(self).__name__}: differentiable=True steps run eagerly only; "
+                        "funcopt.script compiles a no-grad step"
+                    )
+                self._scripted = True
+                try:
+                    self._install(self._slots)
+                except BaseException:
+                    self._scripted = False
+                    self._install(self._slots)
+                    raise
+                self._refresh_state()
 
     @property
     def core(self) -> Any:
-        """The scriptable core (a TorchScript object after ``funcopt.script``)."""
-        self._sync_hyper()
-        return self._core
+        """The scriptable core (a TorchScript object after ``funcopt.script``).
 
-    # ------------------------------------------------------------------- step
+        A core embedded in a user's ScriptModule is stepped by that module,
+        outside this object's lock: the module must not step it from two
+        threads at once, nor while this optimizer steps."""
+        with self._lock:
+            self._prepare(refresh=True)
+            return self._core
+
+    # -------------------------------------------------------- synchronization
+    def _prepare(self, refresh: bool = False) -> None:
+        """Bring the core up to date with ``param_groups`` and ``state``
+        (structure, user-written state, hyperparameters), checking first."""
+        if self._structure_changed():
+            self._rebuild()
+        elif self._fused_unavailable is not None:
+            self._rebuild()  # the parameters may have moved (e.g. meta -> cpu)
+        if self._state_flag.dirty:
+            self._push_state()
+        self._sync_hyper()
+        if refresh and self._epoch != self._slots.epoch:
+            self._refresh_state()
+
+    def _refresh_state(self) -> None:
+        """``opt.state`` := the core's state (same tensors), other keys kept."""
+        live = self.state
+        slots = self._slots
+        params = slots.params if not isinstance(slots, torch.jit.RecursiveScriptClass) else self._flat_params()
+        for i, p in enumerate(params):
+            entry = self._state_entry(i)
+            if entry:
+                live._set_quiet(p, entry)
+            elif dict.get(live, p) is not None:
+                dict.__delitem__(live, p)
+        current = {id(p) for p in params}
+        for k in [k for k in dict.keys(live) if isinstance(k, Tensor) and id(k) not in current]:
+            dict.__delitem__(live, k)
+        self._state_flag.dirty = False
+        self._epoch = slots.epoch
+
+    def _push_state(self) -> None:
+        """Check ``opt.state`` as written by the user, then install it in the core."""
+        live = self.state
+        name = type(self).__name__
+        slots = self._slots
+        staged: Dict[int, Tuple[List[Tensor], bool]] = {}
+        for i, p in enumerate(self._flat_params()):
+            entry = dict.get(live, p)
+            current = self._state_entry(i)
+            if not entry:
+                if current:
+                    staged[i] = ([torch.empty(0) for _ in self.slots], False)
+                continue
+            if state_format.entries_equal(entry, current):
+                continue
+            group = self.param_groups[self._group_of[i]]
+            vals = self._convert_entry(i, p, entry, group)
+            staged[i] = (vals, True)
+        for i, (vals, present) in staged.items():
+            slots.set_state(i, vals, present)
+        if staged and name:
+            self._epoch = -1
+        self._refresh_state()
+
     def _sync_hyper(self) -> None:
         """Push changed ``param_groups`` values into the core (checked first)."""
         for g, group in enumerate(self.param_groups):
@@ -252,11 +517,13 @@ class Optimizer(torch.optim.Optimizer):
             )
         return members
 
+    # ------------------------------------------------------------------- step
     def step(  # type: ignore[override]
         self,
         grads: Optional[Sequence[Optional[Tensor]] | Callable[[], Any]] = None,
         grad_scale: Optional[Tensor] = None,
         found_inf: Optional[Tensor] = None,
+        closure: Optional[Callable[[], Any]] = None,
     ) -> Any:
         """One optimization step.
 
@@ -268,16 +535,43 @@ class Optimizer(torch.optim.Optimizer):
           grad_scale: optional scalar tensor; gradients are divided by it.
           found_inf: optional scalar tensor; when nonzero the whole step is
             skipped (on device with the fused kernels, no host sync).
+          closure: as ``torch.optim``'s (also accepted as ``grads``).
         """
         loss = None
-        if grads is None or callable(grads):
-            if grads is not None:
-                with torch.enable_grad():
-                    loss = grads()
+        if callable(grads):
+            if closure is not None:
+                raise TypeError("step() got two closures")
+            grads, closure = None, grads
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if torch.compiler.is_compiling():
+            # Dynamo traces no lock; the live ``opt.state`` view catches up at
+            # the next eager step or state_dict()
+            self._prepare()
+            self._run(grads, grad_scale, found_inf)
+        else:
+            with self._lock:
+                self._prepare()
+                try:
+                    self._run(grads, grad_scale, found_inf)
+                finally:
+                    if self._epoch != self._slots.epoch:
+                        self._refresh_state()
+        return loss
+
+    def _run(self, grads: Any, grad_scale: Optional[Tensor], found_inf: Optional[Tensor]) -> None:
+        if self._fused_unavailable is not None:
+            raise RuntimeError(self._fused_unavailable)
+        if grads is None:
             grads = [p.grad for p in self._flat_params()]
+        elif isinstance(grads, Tensor):
+            raise TypeError(
+                f"{type(self).__name__}.step: grads must be a list with one tensor (or None) per "
+                f"parameter, got a single tensor; pass [grad]"
+            )
         elif not isinstance(grads, list):
             grads = list(grads)
-        self._sync_hyper()
         try:
             self._core.step(grads, grad_scale, found_inf)
         except torch.jit.Error as e:  # scripted core: surface our own errors as ValueError
@@ -285,7 +579,6 @@ class Optimizer(torch.optim.Optimizer):
             if m:
                 raise ValueError(m.group(1)) from None
             raise
-        return loss
 
     # ------------------------------------------------------------------ state
     def _present(self, group: Dict[str, Any]) -> List[bool]:
@@ -299,140 +592,105 @@ class Optimizer(torch.optim.Optimizer):
         return {name: slots.get_state(k, i) for k, (name, _) in enumerate(self.slots) if present[k]}
 
     def state_dict(self) -> Dict[str, Any]:
-        """The exact ``state_dict`` format of ``torch_class`` (tensors by reference)."""
-        groups, state, start = [], {}, 0
-        for group in self.param_groups:
-            packed = {k: v for k, v in group.items() if k != "params"}
-            ids = list(range(start, start + len(group["params"])))
-            packed["params"] = ids
-            groups.append(packed)
-            for i in ids:
-                entry = self._state_entry(i)
-                if entry:
-                    state[i] = entry
-            start += len(ids)
-        return {"state": state, "param_groups": groups}
+        """The exact ``state_dict`` format of ``torch_class`` (tensors by
+        reference), with torch's state-dict hooks."""
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
+        with self._lock:
+            if not self._state_flag.dirty and not self._structure_changed() and self._epoch != self._slots.epoch:
+                self._refresh_state()
+            state_dict = state_format.pack(self.param_groups, self.state)
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            result = post_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        return state_dict
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Load a funcopt or torch.optim state dict; all checks run before any change.
 
         Raises ``ValueError`` naming what is wrong (group count or sizes,
         unknown or missing state keys, shapes, non-floating state, invalid
-        hyperparameters) and leaves the optimizer untouched.
+        hyperparameters) and leaves the optimizer untouched.  Keys a state dict
+        of an older torch release lacks take this optimizer's defaults; torch's
+        load-state-dict hooks run before and after.
         """
-        self.commit_state(self.stage_state(state_dict))
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        with self._lock:
+            self.commit_state(self.stage_state(state_dict))
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
 
-    def stage_state(self, state_dict: Dict[str, Any]) -> Tuple[List[Dict[str, Any]], Dict[int, List[Tensor]]]:
+    def stage_state(self, state_dict: Dict[str, Any]) -> Tuple[List[Dict[str, Any]], Dict[Any, Any]]:
         """The checking half of :meth:`load_state_dict`: validates and converts,
         changes nothing; :meth:`commit_state` applies the result.  (The
         distributed layers check on every rank before any rank commits.)"""
         name = type(self).__name__
-        if not isinstance(state_dict, dict) or set(state_dict) != {"state", "param_groups"}:
-            raise ValueError(f"{name}.load_state_dict: expected a dict with keys 'state' and 'param_groups'")
-        saved_groups, saved_state = state_dict["param_groups"], state_dict["state"]
-        if not isinstance(saved_groups, list) or not isinstance(saved_state, dict):
-            raise ValueError(f"{name}.load_state_dict: 'param_groups' must be a list and 'state' a dict")
-        if len(saved_groups) != len(self.param_groups):
-            raise ValueError(
-                f"{name}.load_state_dict: state dict has {len(saved_groups)} param groups, "
-                f"optimizer has {len(self.param_groups)}"
-            )
-        id_map: Dict[Any, int] = {}
-        new_groups = []
-        flat = 0
-        for g, (group, saved) in enumerate(zip(self.param_groups, saved_groups)):
-            if not isinstance(saved, dict) or "params" not in saved:
-                raise ValueError(f"{name}.load_state_dict: param group {g} has no 'params'")
-            if len(saved["params"]) != len(group["params"]):
-                raise ValueError(
-                    f"{name}.load_state_dict: param group {g} has {len(saved['params'])} params in the "
-                    f"state dict but {len(group['params'])} in the optimizer"
-                )
-            missing = set(self.defaults) - set(saved)
-            if missing:
-                raise ValueError(
-                    f"{name}.load_state_dict: param group {g} lacks hyperparameters {sorted(missing)}; "
-                    f"is this a {self.torch_class.__name__} state dict?"
-                )
-            new = {k: v for k, v in saved.items() if k not in ("params", "param_names")}
-            new["params"] = group["params"]
-            if "param_names" in group:
-                new["param_names"] = group["param_names"]
-            try:
-                self._validate_hyper(new)
-            except (ValueError, RuntimeError, TypeError) as e:
-                raise ValueError(f"{name}.load_state_dict: param group {g}: {e}") from None
-            for key, default in self.defaults.items():
-                if isinstance(default, (tuple, list)) and len(new[key]) != len(default):
-                    raise ValueError(f"{name}.load_state_dict: param group {g}: {key}={new[key]!r}")
-            for sid in saved["params"]:
-                if sid in id_map:
-                    raise ValueError(f"{name}.load_state_dict: parameter id {sid!r} appears twice")
-                id_map[sid] = flat
-                flat += 1
-            new_groups.append(new)
-        params = self._flat_params()
-        group_of = [g for g, group in enumerate(new_groups) for _ in group["params"]]
-        staged: Dict[int, List[Tensor]] = {}
-        for sid, entry in saved_state.items():
-            if sid not in id_map:
-                raise ValueError(f"{name}.load_state_dict: state for unknown parameter id {sid!r}")
-            i = id_map[sid]
-            p = params[i]
-            group = new_groups[group_of[i]]
-            expected = {n for (n, _), on in zip(self.slots, self._present(group)) if on}
-            if not isinstance(entry, dict) or set(entry) != expected:
-                got = sorted(entry) if isinstance(entry, dict) else type(entry).__name__
-                raise ValueError(
-                    f"{name}.load_state_dict: state of parameter {sid!r} has keys {got}, expected {sorted(expected)}"
-                )
-            staged[i] = self._convert_entry(sid, p, entry, group)
-        return new_groups, staged
+        with self._lock:
+            if self._structure_changed():
+                self._rebuild()
+            saved_groups, saved_state = state_format.check_container(name, state_dict)
+            id_map = state_format.match_groups(name, saved_groups, self.param_groups)
+            new_groups = []
+            for g, (group, saved) in enumerate(zip(self.param_groups, saved_groups)):
+                missing = state_format.missing_keys(saved, self.defaults)
+                if missing:
+                    raise ValueError(
+                        f"{name}.load_state_dict: param group {g} lacks hyperparameters {missing}; "
+                        f"is this a {self.torch_class.__name__} state dict?"
+                    )
+                new = state_format.merge_group(saved, group, self.defaults)
+                try:
+                    self._validate_hyper(new)
+                except (ValueError, RuntimeError, TypeError) as e:
+                    raise ValueError(f"{name}.load_state_dict: param group {g}: {e}") from None
+                for key, default in self.defaults.items():
+                    if isinstance(default, (tuple, list)) and (
+                            not isinstance(new[key], (tuple, list)) or len(new[key]) != len(default)):
+                        raise ValueError(f"{name}.load_state_dict: param group {g}: {key}={new[key]!r}")
+                new_groups.append(new)
+            offsets = [0]
+            for group in self.param_groups:
+                offsets.append(offsets[-1] + len(group["params"]))
+            params = self._flat_params()
+            staged: Dict[Any, Any] = {}
+            for sid, entry in saved_state.items():
+                if sid not in id_map:
+                    if isinstance(sid, int):
+                        raise ValueError(f"{name}.load_state_dict: state for unknown parameter id {sid!r}")
+                    staged[("opaque", sid)] = entry  # torch keeps keys that are not parameter ids
+                    continue
+                g, j = id_map[sid]
+                i = offsets[g] + j
+                if not entry:
+                    continue
+                staged[i] = self._convert_entry(sid, params[i], entry, new_groups[g])
+            return new_groups, staged
 
-    def commit_state(self, staged: Tuple[List[Dict[str, Any]], Dict[int, List[Tensor]]]) -> None:
+    def commit_state(self, staged: Tuple[List[Dict[str, Any]], Dict[Any, Any]]) -> None:
         new_groups, state = staged
-        for g, new in enumerate(new_groups):
-            self.param_groups[g].clear()
-            self.param_groups[g].update(new)
-        self._build_core(None)
-        slots = self._slots
-        for i, vals in state.items():
-            slots.set_state(i, vals, True)
+        with self._lock:
+            for g, new in enumerate(new_groups):
+                self.param_groups[g].clear()
+                self.param_groups[g].update(new)
+            self.state.clear()
+            self._build_core({})
+            slots = self._slots
+            for i, vals in state.items():
+                if isinstance(i, int):
+                    slots.set_state(i, vals, True)
+            self._refresh_state()
+            for key, entry in state.items():
+                if isinstance(key, tuple):
+                    dict.__setitem__(self.state, key[1], entry)
 
     def _convert_entry(self, sid: Any, p: Tensor, entry: Dict[str, Any], group: Dict[str, Any]) -> List[Tensor]:
-        name = type(self).__name__
         fused = bool(group.get("fused")) or self._uses_fused(p)
-        vals: List[Tensor] = []
-        for (slot, _), on in zip(self.slots, self._present(group)):
-            if not on:
-                vals.append(torch.empty(0))
-                continue
-            v = entry[slot]
-            if slot == "step":
-                if isinstance(v, Tensor):
-                    if v.numel() != 1 or v.is_complex():
-                        raise ValueError(f"{name}.load_state_dict: 'step' of parameter {sid!r} must be a scalar")
-                    val = v.detach().reshape(())
-                elif isinstance(v, (int, float)):
-                    val = torch.tensor(float(v))
-                else:
-                    raise ValueError(f"{name}.load_state_dict: 'step' of parameter {sid!r} is {type(v).__name__}")
-                vals.append(val.to(dtype=torch.float32, device=p.device if fused else "cpu").clone())
-                continue
-            if not isinstance(v, Tensor):
-                raise ValueError(f"{name}.load_state_dict: '{slot}' of parameter {sid!r} is not a tensor")
-            if v.shape != p.shape:
-                raise ValueError(
-                    f"{name}.load_state_dict: '{slot}' of parameter {sid!r} has shape {tuple(v.shape)}, "
-                    f"parameter has {tuple(p.shape)}"
-                )
-            if not v.is_floating_point():
-                raise ValueError(f"{name}.load_state_dict: '{slot}' of parameter {sid!r} has dtype {v.dtype}")
-            # like torch.optim: floating state follows the parameter's dtype and device
-            vals.append(v.detach().to(dtype=p.dtype, device=p.device, copy=True))
-        return vals
+        slots = list(zip([n for n, _ in self.slots], self._present(group)))
+        return state_format.convert_entry(type(self).__name__, sid, p, entry, slots, fused)
 
     def _uses_fused(self, p: Tensor) -> bool:
         return self.impl != "foreach" and p.device.type in self.fused_devices and p.dtype in _FUSED_DTYPES
-
-

@@ -252,15 +252,12 @@ def test_funcopt_only_construction_errors(name):
         with pytest.raises(ValueError, match="fused"):
             spec.cls(p, impl="foreach", fused=True)
     if torch_accepts(spec, "differentiable"):
+        # differentiable steps are eager only: scripting one is refused, nothing changes
+        opt = spec.cls(p, differentiable=True)
         with pytest.raises(ValueError, match="differentiable"):
-            spec.cls(p, differentiable=True)
-    with pytest.raises(ValueError, match="complex"):
-        spec.cls([torch.zeros(2, dtype=torch.complex64, requires_grad=True)])
-    # complex through add_param_group: rejected, nothing added
+            funcopt.script(opt)
+        assert not opt._scripted
     opt = spec.cls(p)
-    with pytest.raises(ValueError, match="complex"):
-        opt.add_param_group({"params": [torch.zeros(2, dtype=torch.complex64, requires_grad=True)]})
-    assert len(opt.param_groups) == 1
     opt.step([torch.ones(2)])
     assert not torch.equal(p[0], torch.zeros(2))
 
@@ -479,8 +476,11 @@ def _corrupt_cases():
     for name in ALGOS:
         has_step = any(slot == "step" for slot, _ in REGISTRY[name].cls.slots)
         for kind in CORRUPT:
-            if kind != "bad step" or has_step:  # SGD keeps no step counter to corrupt
-                yield name, kind
+            if kind == "bad step" and not has_step:  # SGD keeps no step counter to corrupt
+                continue
+            if kind == "missing state key" and len(REGISTRY[name].cls.slots) == 1:
+                continue  # SGD: an entry without its one slot is empty, torch's valid "no state yet"
+            yield name, kind
 
 
 @pytest.mark.parametrize("mode", MODES)
