@@ -8,17 +8,24 @@ optimizer in the same run, without paying for five process start-ups.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
+import glob
+import json
+import math
 import os
 import shutil
-from typing import Any, Dict, List, Optional, Set
+from typing import Any, Dict, Iterator, List, Optional, Set
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.planner import LoadItemType
+
 from funcopt.distributed import ZeroRedundancyOptimizer
-from funcopt.distributed.checkpoint import shard_name
+from funcopt.distributed.checkpoint import COMMIT
 from funcopt.registry import REGISTRY
 
 import _dist_zero_work as Z
@@ -46,26 +53,35 @@ for _t in TRANSITIONS:
     _t.setdefault("load_partition", "flat")
     _t.setdefault("save_stage", 1)
     _t["kind"] = "transition"
-    # the restricted-directory check needs the flat rule on both sides
-    _t["restrict"] = _t["save_partition"] == _t["load_partition"] == "flat"
 
 
 def case_of(t: Dict[str, Any], stage: int = 1, partition: str = "flat") -> Dict[str, Any]:
     return Z._case(t["name"], t["algo"], model=t["model"], stage=stage, partition=partition)
 
 
-def flat_needed(numels: List[int], dtypes: List[torch.dtype], old_world: int, new_world: int, rank: int) -> Set[int]:
-    """Old ranks whose flat ranges meet new rank ``rank``'s, computed from the flat rule alone."""
-    needed = set()
-    for dt in set(dtypes):
-        total = sum(n for n, d in zip(numels, dtypes) if d == dt)
-        po, pn = -(-total // old_world), -(-total // new_world)
-        lo, hi = rank * pn, min((rank + 1) * pn, total)
-        for r in range(old_world):
-            a, b = r * po, min((r + 1) * po, total)
-            if max(a, lo) < min(b, hi):
-                needed.add(r)
-    return needed
+@contextlib.contextmanager
+def counting_reads(box: Dict[str, Any]) -> Iterator[None]:
+    """Count the tensor elements (and the files) DCP reads in this process."""
+    orig = FileSystemReader.read_data
+
+    def read_data(self: Any, plan: Any, planner: Any) -> Any:
+        for item in plan.items:
+            if item.type != LoadItemType.BYTE_IO:
+                box["elements"] += math.prod(item.lengths)
+                box["files"].add(self.storage_data[item.storage_index].relative_path)
+        return orig(self, plan, planner)
+
+    FileSystemReader.read_data = read_data
+    try:
+        yield
+    finally:
+        FileSystemReader.read_data = orig
+
+
+def save_dir(ck: str) -> str:
+    """The directory the commit record of checkpoint ``ck`` names."""
+    with open(os.path.join(ck, COMMIT)) as fh:
+        return os.path.join(ck, json.load(fh)["dir"])
 
 
 def _zero(case: Dict[str, Any], params: Any, group: Any, **hyper: Any) -> ZeroRedundancyOptimizer:
@@ -93,17 +109,20 @@ class Worker:
     def path(self, *parts: str) -> str:
         return os.path.join(self.out, *parts)
 
-    def save_phase(self, case: Dict[str, Any], world: int, ck: str) -> Dict[str, Any]:
+    def save_phase(self, case: Dict[str, Any], world: int, ck: str, steps: int = SAVE_AT) -> Dict[str, Any]:
         out: Dict[str, Any] = {}
         if self.rank < world:
             g = self.groups[world]
             model = Net(**case["model"])
             opt = _zero(case, model.parameters(), g)
-            _train(case, model, opt, range(0, SAVE_AT), self.rank, world, g)
+            _train(case, model, opt, range(0, steps), self.rank, world, g)
             opt.save_sharded(ck)
+            sd = _consolidated(opt, self.rank)
             if self.rank == 0:
                 torch.save(snapshot(model.parameters()), os.path.join(ck, "params.pt"))
                 out["files"] = sorted(os.listdir(ck))
+                out["save_files"] = sorted(os.listdir(save_dir(ck)))
+                out["saved_sd"] = sd
         dist.barrier()
         return out
 
@@ -117,21 +136,12 @@ class Worker:
             with torch.no_grad():
                 for p, v in zip(model.parameters(), torch.load(os.path.join(ck, "params.pt"))):
                     p.copy_(v)
-            src = ck
-            if t["restrict"]:
-                # this rank loads from a directory holding meta.pt and only the shards the flat rule
-                # says it needs: reading any other shard fails the load ("missing shard")
-                params = list(model.parameters())
-                needed = flat_needed([p.numel() for p in params], [p.dtype for p in params],
-                                     t["save"], t["load"], self.rank)
-                src = self.path(f"view-{t['name']}-rank{self.rank}")
-                os.makedirs(src)
-                for f in ["meta.pt"] + [shard_name(r, t["save"]) for r in sorted(needed)]:
-                    os.link(os.path.join(ck, f), os.path.join(src, f))
-                out["needed"] = sorted(needed)
             # constructed with other hyperparameters: the checkpoint's must come back
             opt = _zero(case, model.parameters(), g, **dict(case["hyper"], lr=case["hyper"]["lr"] * 7))
-            opt.load_sharded(src)
+            reads: Dict[str, Any] = dict(elements=0, files=set())
+            with counting_reads(reads):
+                opt.load_sharded(ck)
+            out["read_elements"], out["read_files"] = reads["elements"], sorted(reads["files"])
             out["lrs_after_load"] = [grp["lr"] for grp in opt.param_groups]
             _train(case, model, opt, range(SAVE_AT, TOTAL), self.rank, t["load"], g)
             sd = _consolidated(opt, self.rank)
@@ -146,6 +156,8 @@ class Worker:
         good = self.path("ck-4to4")  # Adam, flat, saved by 4 ranks (transition "4to4" ran before)
         other = self.path("ck-other-model")
         self.save_phase(Z._case("other", "Adam", model=dict(kind="other")), 4, other)
+        again = self.path("ck-same-model-other-save")  # the 4to4 model and world, one step less
+        self.save_phase(case_of(next(t for t in TRANSITIONS if t["name"] == "4to4")), 4, again, SAVE_AT - 1)
         bad: Dict[str, str] = {}
         if self.rank == 0:
             def copy_of(name: str) -> str:
@@ -154,28 +166,73 @@ class Worker:
                 bad[name] = d
                 return d
 
+            def file_of(d: str, name: str) -> str:
+                return os.path.join(save_dir(d), name)
+
+            def edit_record(d: str, **changes: Any) -> None:
+                with open(os.path.join(d, COMMIT)) as fh:
+                    rec = json.load(fh)
+                rec.update(changes)
+                with open(os.path.join(d, COMMIT), "w") as fh:
+                    json.dump(rec, fh)
+
             d = copy_of("truncated-shard")
-            f = os.path.join(d, shard_name(2, 4))
-            size = os.path.getsize(f)
+            f = file_of(d, "__2_0.distcp")
             with open(f, "r+b") as fh:
-                fh.truncate(size // 2)
+                fh.truncate(os.path.getsize(f) // 2)
+            d = copy_of("edited-piece")  # same size, a few bytes in the middle changed
+            f = file_of(d, "__2_0.distcp")
+            with open(f, "r+b") as fh:
+                fh.seek(os.path.getsize(f) // 2)
+                chunk = fh.read(8)
+                fh.seek(os.path.getsize(f) // 2)
+                fh.write(bytes(b ^ 0xFF for b in chunk))
+            d = copy_of("edited-metadata")
+            with open(file_of(d, ".metadata"), "r+b") as fh:
+                fh.seek(40)
+                fh.write(b"\x00\x01\x02")
             d = copy_of("garbage-shard")
-            with open(os.path.join(d, shard_name(0, 4)), "wb") as fh:
+            with open(file_of(d, "__0_0.distcp"), "wb") as fh:
                 fh.write(os.urandom(1000))
             d = copy_of("missing-shard")
-            os.remove(os.path.join(d, shard_name(3, 4)))
+            os.remove(file_of(d, "__3_0.distcp"))
+            d = copy_of("extra-file")
+            shutil.copy(file_of(d, "__3_0.distcp"), file_of(d, "__7_0.distcp"))
             bad["other-model"] = other
-            d = copy_of("meta-of-other-model")
-            shutil.copy(os.path.join(other, "meta.pt"), os.path.join(d, "meta.pt"))
-            d = copy_of("shard-of-other-checkpoint")
-            shutil.copy(os.path.join(other, shard_name(1, 4)), os.path.join(d, shard_name(1, 4)))
-            d = copy_of("shard-of-other-world-size")  # same model, saved by 2 ranks, renamed
-            shutil.copy(os.path.join(self.path("ck-2to4"), shard_name(1, 2)), os.path.join(d, shard_name(1, 4)))
-            d = copy_of("bogus-meta")
-            with open(os.path.join(d, "meta.pt"), "wb") as fh:
+            d = copy_of("shard-of-other-save")  # same model, world and file name; another save's content
+            shutil.copy(file_of(again, "__1_0.distcp"), file_of(d, "__1_0.distcp"))
+            d = copy_of("record-of-other-save")  # a commit record naming a save that is not there
+            shutil.copy(os.path.join(again, COMMIT), os.path.join(d, COMMIT))
+            d = copy_of("save-of-other-checkpoint")  # the other save's files under this save's name
+            for f in glob.glob(os.path.join(save_dir(d), "*")) + glob.glob(os.path.join(save_dir(d), ".*")):
+                os.remove(f)
+            for f in os.listdir(save_dir(again)):
+                shutil.copy(file_of(again, f), file_of(d, f))
+            edit_record(d, files=json.load(open(os.path.join(again, COMMIT)))["files"])
+            d = copy_of("forged-shard")  # garbage whose checksum a forger put in the record
+            with open(file_of(d, "__1_0.distcp"), "wb") as fh:
+                fh.write(os.urandom(3000))
+            with open(os.path.join(d, COMMIT)) as fh:
+                files = json.load(fh)["files"]
+            from funcopt.distributed.checkpoint import _hash
+            files["__1_0.distcp"] = _hash(file_of(d, "__1_0.distcp"))
+            edit_record(d, files=files)
+            d = copy_of("bogus-record")
+            with open(os.path.join(d, COMMIT), "wb") as fh:
                 fh.write(b"not a checkpoint at all" * 10)
-            d = copy_of("foreign-meta")
-            torch.save({"format": "someone-else-v3", "params": []}, os.path.join(d, "meta.pt"))
+            d = copy_of("record-wrong-types")
+            edit_record(d, files=["__0_0.distcp"])
+            d = copy_of("record-escapes")
+            edit_record(d, dir="../ck-4to4/" + json.load(open(os.path.join(good, COMMIT)))["dir"])
+            d = copy_of("foreign-record")
+            edit_record(d, format="someone-else-v3")
+            d = copy_of("uncommitted")  # a save that was written but never committed
+            os.rename(save_dir(d), os.path.join(d, ".tmp-save-" + "0" * 32))
+            os.remove(os.path.join(d, COMMIT))
+            d = self.path("bad-old-format")
+            os.makedirs(d)
+            torch.save({"format": "funcopt-zero-sharded-v1"}, os.path.join(d, "meta.pt"))
+            bad["old-format"] = d
             bad["missing-dir"] = self.path("no-such-checkpoint")
         box = [bad]
         dist.broadcast_object_list(box, src=0)

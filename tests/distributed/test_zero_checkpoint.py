@@ -1,8 +1,10 @@
-"""Sharded ZeRO checkpoints: save at one world size, load at another, continue training.
+"""Sharded ZeRO checkpoints: save at one world size, load at another, continue training;
+convert offline to a torch.optim state dict; reject every damaged or foreign checkpoint.
 
 One spawn of 4 ranks (``_dist_ckpt_work.worker``); worlds of size 1 and 2 are
 the process groups of ranks [0, 1) and [0, 2) inside it.  Every resumed run is
-compared with an uninterrupted single-process ``torch.optim`` run.
+compared with an uninterrupted single-process ``torch.optim`` run.  Atomicity
+and faults while saving: ``test_checkpoint_atomic.py``.
 """
 from __future__ import annotations
 
@@ -21,7 +23,8 @@ import _dist_zero_work as Z  # noqa: E402
 from _dist_harness import (Net, assert_state_dict_close, assert_tensors_close, case_result, load_all,  # noqa: E402
                            snapshot, spawn)
 
-from funcopt.distributed.checkpoint import shard_name  # noqa: E402
+from funcopt.distributed.checkpoint import COMMIT, committed_dir, to_torch_state_dict  # noqa: E402
+from funcopt.distributed.layout import make_layout  # noqa: E402
 
 SPAWN_DEADLINE = 240.0
 pytestmark = pytest.mark.timeout(int(SPAWN_DEADLINE + 60))
@@ -76,49 +79,87 @@ def test_resume_at_other_world_size(run, t):
 
 @pytest.mark.parametrize("t", C.TRANSITIONS, ids=T_IDS)
 def test_checkpoint_files(run, t):
-    """meta.pt plus one shard per saving rank (and the test's own params.pt)."""
-    files = _get(run, t["name"], 0)["files"]
-    assert files == sorted(["meta.pt", "params.pt"] + [shard_name(r, t["save"]) for r in range(t["save"])])
+    """The commit record, one DCP save directory (its metadata and one file per saving rank),
+    and the test's own params.pt; nothing left of the temporary directory."""
+    res = _get(run, t["name"], 0)
+    assert [f for f in res["files"] if f not in (COMMIT, "params.pt")] == [f for f in res["files"] if f.startswith("save-")]
+    assert len([f for f in res["files"] if f.startswith("save-")]) == 1, res["files"]
+    assert COMMIT in res["files"]
+    assert res["save_files"] == sorted([".metadata"] + [f"__{r}_0.distcp" for r in range(t["save"])])
 
 
-RESTRICTED = [t for t in C.TRANSITIONS if t["restrict"]]
+def _elementwise_and_scalar(sd):
+    """Per parameter id: (elementwise state tensors, 0-d state tensors)."""
+    return {i: (sum(1 for v in e.values() if v.dim() > 0), sum(1 for v in e.values() if v.dim() == 0))
+            for i, e in sd["state"].items()}
 
 
-@pytest.mark.parametrize("t", RESTRICTED, ids=[t["name"] for t in RESTRICTED])
-def test_each_rank_reads_only_the_shards_it_needs(run, t):
-    """Each loading rank loaded from a directory holding only meta.pt and the old shards whose
-    flat ranges meet its new range (any other read would have failed with "missing shard"),
-    and still resumed exactly (test_resume_at_other_world_size)."""
-    numels = [p.numel() for p in Net(**t["model"]).parameters()]
+@pytest.mark.parametrize("t", C.TRANSITIONS, ids=T_IDS)
+def test_each_rank_reads_only_its_part(run, t):
+    """DCP reads for each loading rank exactly the elements of the ranges it owns now (and one
+    copy of each 0-d counter of a parameter it holds a piece of): no rank reads the whole state."""
+    _, ref_sd = reference(t["name"])
+    counts = _elementwise_and_scalar(ref_sd)
+    params = list(Net(**t["model"]).parameters())
+    layout = make_layout([p.numel() for p in params], [p.dtype for p in params], [len(params)], t["load"],
+                         t["load_partition"])
+    total = sum(p.numel() * counts[i][0] + counts[i][1] for i, p in enumerate(params))
     for r in range(t["load"]):
-        needed = _get(run, t["name"], r)["needed"]
-        assert needed, f"rank {r} needs some shard"
-        if t["save"] == t["load"] and not t["model"]:
-            assert needed == [r], f"rank {r} of an unchanged single-dtype layout needs only its own shard"
-    if t["name"] == "4to2":  # 143 elements: old ranges of 36, new of 72
-        assert [_get(run, "4to2", r)["needed"] for r in range(2)] == [[0, 1], [2, 3]], numels
+        segs = layout.segments(r)
+        want = sum(s.length * counts[s.param][0] for s in segs) + sum(counts[i][1] for i in {s.param for s in segs})
+        got = _get(run, t["name"], r)["read_elements"]
+        assert got == want, f"rank {r} read {got} state elements, owns {want} (whole state: {total})"
+        if t["load"] > 1:
+            assert got < total
+
+
+@pytest.mark.parametrize("t", C.TRANSITIONS, ids=T_IDS)
+def test_converts_offline_to_a_torch_optim_state_dict(run, dist_tmp, tmp_path, t):
+    """DCP's own dcp_to_torch_save (no process group) plus to_torch_state_dict give the
+    consolidated torch.optim state of the saving optimizer, which a torch.optim optimizer loads."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    saved = _get(run, t["name"], 0)["saved_sd"]
+    out = tmp_path / "opt.pt"
+    dcp_to_torch_save(committed_dir(str(dist_tmp / "ckpt" / f"ck-{t['name']}")), out)
+    converted = to_torch_state_dict(torch.load(out, weights_only=False))
+    assert_state_dict_close(converted, saved, f"{t['name']}: converted", rtol=0, atol=0)
+    case = C.case_of(t)
+    model = Net(**case["model"])
+    opt = Z.torch_class(case)(model.parameters(), **dict(case["hyper"], lr=123.0))
+    opt.load_state_dict(converted)
+    assert_state_dict_close(opt.state_dict(), saved, f"{t['name']}: torch.optim after load_state_dict",
+                            rtol=0, atol=0)
 
 
 CORRUPT = {
     # name: what the message must name
-    "truncated-shard": r"corrupt shard .*shard-00002-of-00004",
-    "garbage-shard": r"corrupt shard .*shard-00000-of-00004",
-    "missing-shard": r"missing shard .*shard-00003-of-00004",
+    "truncated-shard": r"__2_0\.distcp has \d+ bytes, the commit record says",
+    "edited-piece": r"rank 3: .*__2_0\.distcp does not match the commit record",
+    "edited-metadata": r"\.metadata does not match the commit record",
+    "garbage-shard": r"__0_0\.distcp has 1000 bytes",
+    "missing-shard": r"missing \['__3_0\.distcp'\]",
+    "extra-file": r"unexpected \['__7_0\.distcp'\]",
     "other-model": r"another model|parameters differ",
-    "meta-of-other-model": r"another model|parameters differ",
-    "shard-of-other-checkpoint": r"shard-00001-of-00004\.pt does not belong",
-    "shard-of-other-world-size": r"shard-00001-of-00004\.pt does not belong",
-    "bogus-meta": r"corrupt checkpoint metadata",
-    "foreign-meta": r"not a funcopt sharded checkpoint",
-    "missing-dir": r"missing checkpoint metadata",
+    "shard-of-other-save": r"__1_0\.distcp (does not match the commit record|has \d+ bytes)",
+    "record-of-other-save": r"the committed save .* is missing",
+    "save-of-other-checkpoint": r"holds save '[0-9a-f]+', the commit record names",
+    "forged-shard": r"torch\.distributed\.checkpoint failed",
+    "bogus-record": r"malformed commit record",
+    "record-wrong-types": r"malformed commit record .*bad files",
+    "record-escapes": r"malformed commit record .*dir does not name the save",
+    "foreign-record": r"malformed commit record .*format 'someone-else-v3'",
+    "uncommitted": r"no committed save",
+    "old-format": r"old-format",
+    "missing-dir": r"no committed save",
     "good-into-sgd": r"checkpoint is for Adam, optimizer is SGD",
 }
 
 
 @pytest.mark.parametrize("name", sorted(CORRUPT))
 def test_bad_checkpoint_fails_everywhere_changes_nothing(run, name):
-    """DistributedError on every rank -- also when only one rank reads the bad file -- naming the
-    problem; the optimizer (state, hyperparameters, parameters) is left as it was."""
+    """DistributedError on every rank -- also when only one rank checks the bad file -- naming the
+    problem (never AttributeError/KeyError); the optimizer (state, hyperparameters, parameters)
+    is left as it was."""
     messages = []
     for r in range(4):
         res = _get(run, "corrupt", r)[name]
