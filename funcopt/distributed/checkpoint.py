@@ -64,8 +64,8 @@ _FAILURES = (Exception, CheckpointException)
 def _what(e: BaseException) -> str:
     failures = getattr(e, "failures", None)  # DCP's CheckpointException: {rank: WrappedException}
     if isinstance(failures, dict) and failures:
-        inner = "; ".join(f"rank {r}: {type(getattr(w, 'exc', w)).__name__}: {getattr(w, 'exc', w)}"
-                          for r, w in sorted(failures.items()))
+        excs = {r: (w[0] if isinstance(w, tuple) else getattr(w, "exc", w)) for r, w in failures.items()}
+        inner = "; ".join(f"rank {r}: {type(x).__name__}: {x}" for r, x in sorted(excs.items()))
         return f"torch.distributed.checkpoint failed ({inner})"[:2000]
     return f"{type(e).__name__}: {e}"[:2000]
 
@@ -199,6 +199,17 @@ def _collect(path: str, keep: str) -> None:
                 pass
 
 
+def _discard(path: str, save_id: str) -> None:
+    """Rank 0, after a failed save: remove its files unless the record already names it."""
+    shutil.rmtree(os.path.join(path, TMP_PREFIX + save_id), ignore_errors=True)
+    try:
+        committed = read_record(path)["save_id"]
+    except (OSError, ValueError):
+        committed = None
+    if committed != save_id:
+        shutil.rmtree(os.path.join(path, SAVE_PREFIX + save_id), ignore_errors=True)
+
+
 def save_sharded(opt: Any, path: str) -> None:
     """Write ``opt``'s state under directory ``path``, each rank its own pieces.
 
@@ -216,21 +227,24 @@ def save_sharded(opt: Any, path: str) -> None:
     group = opt.process_group
     what = f"save_sharded({path!r})"
     with record_function("funcopt::zero/save_sharded"):
-        error, save_id, sd = None, None, None
+        # everything that can fail locally before DCP's collectives is agreed on first:
+        # a rank must never leave while its peers wait inside dcp.save
+        error, save_id, sd, created = None, None, None, None
         try:
             if opt.rank == 0:
                 save_id = uuid.uuid4().hex
                 os.makedirs(path, exist_ok=True)
                 os.mkdir(os.path.join(path, TMP_PREFIX + save_id))
+                created = os.path.join(path, TMP_PREFIX + save_id)
+            sd = _save_state_dict(opt, save_id)
         except _FAILURES as e:
             error = _what(e)
-        save_id = _agree(group, error, what, save_id)[0]
-        tmp = os.path.join(path, TMP_PREFIX + save_id)
         try:
+            save_id = _agree(group, error, what, save_id)[0]
+            tmp = os.path.join(path, TMP_PREFIX + save_id)
             error, files = None, None
             with record_function("funcopt::zero/save_sharded/write"):
                 try:
-                    sd = _save_state_dict(opt, save_id)
                     dcp.save(sd, storage_writer=FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True),
                              process_group=group)
                     files = _own_files(tmp, opt.rank)
@@ -249,8 +263,8 @@ def save_sharded(opt: Any, path: str) -> None:
                         error = _what(e)
                 _agree(group, error, what)
         except DistributedError:
-            if opt.rank == 0:
-                shutil.rmtree(tmp, ignore_errors=True)
+            if created is not None:
+                _discard(path, save_id)
             raise
 
 
