@@ -214,6 +214,7 @@ class Optimizer(torch.optim.Optimizer):
         d["_structure"] = ()
         d["_epoch"] = -1
         d["_fused_unavailable"] = None
+        d["_dup_error"] = None
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name == "state" and "_state_flag" in self.__dict__:
@@ -285,15 +286,15 @@ class Optimizer(torch.optim.Optimizer):
         keys: Dict[Tuple[int, str, torch.dtype], int] = {}
         buckets: List[List[int]] = []
         fused: List[bool] = []
-        unavailable = None
+        unavailable: List[int] = []
+        message = None
         for i, p in enumerate(params):
             key = (group_of[i], str(p.device), p.dtype)
             if key not in keys:
                 keys[key] = len(buckets)
                 can_fuse = (p.device.type in self.fused_devices and p.dtype in _FUSED_DTYPES)
-                if self.impl == "fused" and not can_fuse and unavailable is None:
-                    # torch.optim raises this at the first step, not at construction
-                    unavailable = (
+                if self.impl == "fused" and not can_fuse and message is None:
+                    message = (
                         "`fused=True` requires all the params to be floating point Tensors of supported "
                         f"devices: {list(self.fused_devices)} but {p.dtype} and {p.device.type} "
                         f"({type(self).__name__}, parameter {i})"
@@ -301,7 +302,10 @@ class Optimizer(torch.optim.Optimizer):
                 buckets.append([])
                 fused.append(can_fuse and self.impl != "foreach")
             buckets[keys[key]].append(i)
-        self._fused_unavailable = unavailable
+            if self.impl == "fused" and not (p.device.type in self.fused_devices and p.dtype in _FUSED_DTYPES):
+                unavailable.append(i)
+        # torch.optim raises this at the first step that has such a gradient, not at construction
+        self._fused_unavailable = (unavailable, message) if unavailable else None
         return buckets, fused
 
     def _structure_key(self) -> Tuple[Any, ...]:
@@ -322,11 +326,12 @@ class Optimizer(torch.optim.Optimizer):
         ``carry`` maps ``id(param)`` to state (slot order) that carries over."""
         params = self._flat_params()
         dup = state_format.find_duplicate(params)
-        if dup is not None:
-            raise ValueError(
-                f"{type(self).__name__}: parameter {dup} appears more than once in param_groups; "
-                "each parameter may be in one group only"
-            )
+        # torch only warns about a repeated parameter (and steps it twice); a
+        # state_dict() of it works, a step is refused
+        self._dup_error = None if dup is None else (
+            f"{type(self).__name__}.step: parameter {dup} appears more than once in param_groups; "
+            "each parameter may appear once (in one group) to be stepped"
+        )
         group_of = [g for g, group in enumerate(self.param_groups) for _ in group["params"]]
         buckets, fused = self._bucket(params, group_of)
         hyper = [_flatten_hyper(g) for g in self.param_groups]
@@ -417,7 +422,7 @@ class Optimizer(torch.optim.Optimizer):
             return self._core
 
     # -------------------------------------------------------- synchronization
-    def _prepare(self, refresh: bool = False) -> None:
+    def _prepare(self, refresh: bool = False, grads: Optional[List[Any]] = None) -> None:
         """Bring the core up to date with ``param_groups`` and ``state``
         (structure, user-written state, hyperparameters), checking first."""
         if self._structure_changed():
@@ -426,7 +431,7 @@ class Optimizer(torch.optim.Optimizer):
             self._rebuild()  # the parameters may have moved (e.g. meta -> cpu)
         if self._state_flag.dirty:
             self._push_state()
-        self._sync_hyper()
+        self._sync_hyper(grads)
         if refresh and self._epoch != self._slots.epoch:
             self._refresh_state()
 
@@ -471,16 +476,31 @@ class Optimizer(torch.optim.Optimizer):
             self._epoch = -1
         self._refresh_state()
 
-    def _sync_hyper(self) -> None:
-        """Push changed ``param_groups`` values into the core (checked first)."""
+    def _sync_hyper(self, grads: Optional[List[Any]] = None) -> None:
+        """Push changed ``param_groups`` values into the core (checked first).
+
+        With ``grads`` (a step), a group none of whose parameters has a
+        gradient is left as it is: torch reads a group's hyperparameters only
+        when it steps it (a scheduler may set, say, beta1 = 22 on a group that
+        never steps); the check runs when the group next has a gradient."""
+        start = 0
         for g, group in enumerate(self.param_groups):
+            n = len(group["params"])
             flat = _flatten_hyper(group)
             cached = self._hyper_cache[g]
             if flat == cached:
+                start += n
                 continue
             missing = set(cached) - set(flat)
             if missing:
                 raise ValueError(f"param_groups[{g}] lost hyperparameters {sorted(missing)}")
+            if grads is not None and all(x is None for x in grads[start:start + n]):
+                try:
+                    self._validate_hyper(group)
+                except (ValueError, RuntimeError, TypeError):
+                    start += n
+                    continue
+            start += n
             self._validate_hyper(group)
             reset = self._slots_switched_on(g, cached, flat)
             for i in reset:
@@ -548,11 +568,13 @@ class Optimizer(torch.optim.Optimizer):
         if torch.compiler.is_compiling():
             # Dynamo traces no lock; the live ``opt.state`` view catches up at
             # the next eager step or state_dict()
-            self._prepare()
+            grads = self._grads(grads)
+            self._prepare(grads=grads)
             self._run(grads, grad_scale, found_inf)
         else:
             with self._lock:
-                self._prepare()
+                grads = self._grads(grads)
+                self._prepare(grads=grads)
                 try:
                     self._run(grads, grad_scale, found_inf)
                 finally:
@@ -560,9 +582,9 @@ class Optimizer(torch.optim.Optimizer):
                         self._refresh_state()
         return loss
 
-    def _run(self, grads: Any, grad_scale: Optional[Tensor], found_inf: Optional[Tensor]) -> None:
-        if self._fused_unavailable is not None:
-            raise RuntimeError(self._fused_unavailable)
+    def _grads(self, grads: Any) -> List[Optional[Tensor]]:
+        if self._structure_changed():
+            self._rebuild()
         if grads is None:
             grads = [p.grad for p in self._flat_params()]
         elif isinstance(grads, Tensor):
@@ -572,6 +594,15 @@ class Optimizer(torch.optim.Optimizer):
             )
         elif not isinstance(grads, list):
             grads = list(grads)
+        return grads
+
+    def _run(self, grads: List[Optional[Tensor]], grad_scale: Optional[Tensor], found_inf: Optional[Tensor]) -> None:
+        if self._dup_error is not None:
+            raise ValueError(self._dup_error)
+        if self._fused_unavailable is not None:
+            bad, message = self._fused_unavailable
+            if any(i < len(grads) and grads[i] is not None for i in bad):
+                raise RuntimeError(message)
         try:
             self._core.step(grads, grad_scale, found_inf)
         except torch.jit.Error as e:  # scripted core: surface our own errors as ValueError

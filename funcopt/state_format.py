@@ -60,7 +60,7 @@ def pack(param_groups: Sequence[Mapping[str, Any]], state: Mapping[Any, Any]) ->
     for key, entry in state.items():
         if isinstance(key, Tensor):
             if id(key) in mapping and entry:
-                packed_state[mapping[id(key)]] = entry
+                packed_state[mapping[id(key)]] = dict(entry)  # a plain dict: weights_only loads it
         else:
             packed_state[key] = entry
     return {"state": packed_state, "param_groups": groups}
