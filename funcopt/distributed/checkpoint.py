@@ -103,10 +103,18 @@ def _params(opt: Any) -> List[torch.Tensor]:
     return [p for g in opt.param_groups for p in g["params"]]
 
 
+def _algorithm(opt: Any) -> str:
+    """The registry name, or the class of an optimizer ZeRO runs eagerly."""
+    if getattr(opt, "spec", None) is not None:
+        return opt.spec.name
+    cls = opt.optimizer_class
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
 def _describe(opt: Any) -> Dict[str, Any]:
     """What a checkpoint must match (JSON-friendly)."""
     return {
-        "algorithm": opt.spec.name,
+        "algorithm": _algorithm(opt),
         "params": [[list(p.shape), str(p.dtype)] for p in _params(opt)],
         "group_sizes": [len(g["params"]) for g in opt.param_groups],
     }
@@ -146,8 +154,11 @@ def _save_state_dict(opt: Any, save_id: Optional[str]) -> Dict[str, Any]:
         numel = params[i].numel()
         out = state.setdefault(i, {})
         for name, t in entry.items():
-            if t.dim() == 0:
+            if not isinstance(t, torch.Tensor) or t.dim() == 0:
                 out[name] = t  # replicated on every rank holding a piece of parameter i
+            elif t.numel() != length:
+                raise ValueError(f"state '{name}' of parameter {i} has {t.numel()} elements, not one per "
+                                 f"element of the parameter ({length} here): cannot be sharded")
             elif numel == 0:
                 out[name] = t.reshape(0)
             else:
@@ -155,7 +166,7 @@ def _save_state_dict(opt: Any, save_id: Optional[str]) -> Dict[str, Any]:
     sd: Dict[str, Any] = {"state": state}
     if opt.rank == 0:
         sd["param_groups"] = _torch_groups(opt)
-        sd["funcopt"] = {"format": FORMAT, "save_id": save_id, "algorithm": opt.spec.name,
+        sd["funcopt"] = {"format": FORMAT, "save_id": save_id, "algorithm": _algorithm(opt),
                          "shapes": [tuple(p.shape) for p in params]}
     return sd
 
@@ -356,15 +367,15 @@ def _load_request(opt: Any, metadata: Any) -> Tuple[Dict[str, Any], List[Tuple[i
     pieces those buffers form once loaded."""
     params = _params(opt)
     mesh = _mesh(opt.process_group)
-    saved: Dict[int, Dict[str, TensorStorageMetadata]] = {}
+    saved: Dict[int, Dict[str, Any]] = {}
     request: Dict[str, Any] = {}
     for key, md in metadata.state_dict_metadata.items():
         m = _STATE_KEY.match(key)
         if m:
             i = int(m.group(1))
-            if i >= len(params) or not isinstance(md, TensorStorageMetadata):
-                raise ValueError(f"checkpoint entry {key!r} names no parameter's state tensor")
-            if tuple(md.size) not in ((), (params[i].numel(),)):
+            if i >= len(params):
+                raise ValueError(f"checkpoint entry {key!r} names no parameter")
+            if isinstance(md, TensorStorageMetadata) and tuple(md.size) not in ((), (params[i].numel(),)):
                 raise ValueError(f"checkpoint entry {key!r} has shape {tuple(md.size)}, expected () or "
                                  f"({params[i].numel()},)")
             saved.setdefault(i, {})[m.group(2)] = md
@@ -382,6 +393,10 @@ def _load_request(opt: Any, metadata: Any) -> Tuple[Dict[str, Any], List[Tuple[i
         entry = {}
         for name, md in saved.get(seg.param, {}).items():
             key = f"state.{seg.param}.{name}"
+            if isinstance(md, BytesStorageMetadata):  # a plain value (an eagerly run class's state)
+                request[key] = None
+                entry[name] = key
+                continue
             if len(md.size) == 0 or p.numel() == 0:
                 buf = torch.empty(tuple(md.size), dtype=md.properties.dtype, device=p.device)
                 request[key] = buf
@@ -444,6 +459,8 @@ def load_sharded(opt: Any, path: str) -> None:
                 if request.get("funcopt.save_id") != rec["save_id"]:
                     raise ValueError(f"{save_dir} holds save {request.get('funcopt.save_id')!r}, "
                                      f"the commit record names {rec['save_id']!r}")
+                pieces = [(i, a, n, {k: (request[v] if isinstance(v, str) else v) for k, v in e.items()})
+                          for i, a, n, e in pieces]
                 staged = opt.stage_shard_state(pieces, _groups(request, len(opt.param_groups)))
             except _FAILURES as e:
                 error = _what(e)
