@@ -131,24 +131,34 @@ def _torch_groups(opt: Any) -> List[Dict[str, Any]]:
     return groups
 
 
-def _mesh(group: Any) -> Any:
-    from torch.distributed.device_mesh import DeviceMesh
-    return DeviceMesh.from_group(group if group is not None else torch.distributed.group.WORLD,
-                                 _comm.comm_device(group).type)
+class _Meshes:
+    """1-D device meshes over ``group``, one per device type of the local tensors (DTensor
+    would copy a local tensor to its mesh's device type, and a load must land in ours)."""
+
+    def __init__(self, group: Any):
+        self.group = group if group is not None else torch.distributed.group.WORLD
+        self.meshes: Dict[str, Any] = {}
+
+    def __call__(self, device: torch.device) -> Any:
+        from torch.distributed.device_mesh import DeviceMesh
+        if device.type not in self.meshes:
+            self.meshes[device.type] = DeviceMesh.from_group(self.group, device.type)
+        return self.meshes[device.type]
 
 
-def _sharded(local: torch.Tensor, start: int, numel: int, mesh: Any) -> torch.Tensor:
+def _sharded(local: torch.Tensor, start: int, numel: int, meshes: _Meshes) -> torch.Tensor:
     """Elements ``[start, start + len(local))`` of a 1-D tensor of ``numel`` elements, as DCP sees it."""
     from torch.distributed.tensor import DTensor, Shard
     from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
     wrapped = LocalShardsWrapper([local], [(start,)])
-    return DTensor.from_local(wrapped, mesh, [Shard(0)], run_check=False, shape=torch.Size([numel]), stride=(1,))
+    return DTensor.from_local(wrapped, meshes(local.device), [Shard(0)], run_check=False,
+                              shape=torch.Size([numel]), stride=(1,))
 
 
 # --------------------------------------------------------------------- save
 def _save_state_dict(opt: Any, save_id: Optional[str]) -> Dict[str, Any]:
     params = _params(opt)
-    mesh = _mesh(opt.process_group)
+    meshes = _Meshes(opt.process_group)
     state: Dict[int, Dict[str, torch.Tensor]] = {}
     for i, start, length, entry in opt.shard_state():
         numel = params[i].numel()
@@ -162,7 +172,7 @@ def _save_state_dict(opt: Any, save_id: Optional[str]) -> Dict[str, Any]:
             elif numel == 0:
                 out[name] = t.reshape(0)
             else:
-                out[name] = _sharded(t.reshape(-1), start, numel, mesh)
+                out[name] = _sharded(t.reshape(-1), start, numel, meshes)
     sd: Dict[str, Any] = {"state": state}
     if opt.rank == 0:
         sd["param_groups"] = _torch_groups(opt)
@@ -366,7 +376,7 @@ def _load_request(opt: Any, metadata: Any) -> Tuple[Dict[str, Any], List[Tuple[i
     """What this rank asks DCP for (its ranges of every saved state tensor, the groups), and the
     pieces those buffers form once loaded."""
     params = _params(opt)
-    mesh = _mesh(opt.process_group)
+    meshes = _Meshes(opt.process_group)
     saved: Dict[int, Dict[str, Any]] = {}
     request: Dict[str, Any] = {}
     for key, md in metadata.state_dict_metadata.items():
@@ -402,7 +412,7 @@ def _load_request(opt: Any, metadata: Any) -> Tuple[Dict[str, Any], List[Tuple[i
                 request[key] = buf
             else:
                 buf = torch.empty(seg.length, dtype=md.properties.dtype, device=p.device)
-                request[key] = _sharded(buf, seg.start, p.numel(), mesh)
+                request[key] = _sharded(buf, seg.start, p.numel(), meshes)
             entry[name] = buf
         if entry:
             pieces.append((seg.param, seg.start, seg.length, entry))

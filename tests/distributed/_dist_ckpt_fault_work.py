@@ -105,6 +105,7 @@ class Worker:
     def __init__(self, rank: int, out_dir: str):
         self.rank, self.out = rank, out_dir
         self.groups = {2: dist.group.WORLD, 1: dist.new_group([0])}
+        self.rank1_alone = dist.new_group([1])  # group rank 0 is global rank 1
 
     def path(self, name: str) -> str:
         return os.path.join(self.out, name)
@@ -172,6 +173,21 @@ class Worker:
         out["loaded"] = self.load_here(ck)
         return out
 
+    def subgroup(self, case: Dict[str, Any]) -> Dict[str, Any]:
+        """Saved by the group of global rank 1 alone (its rank 0, DCP's coordinator), loaded by both."""
+        ck = self.path("ck-subgroup")
+        out: Dict[str, Any] = {}
+        if self.rank == 1:
+            model = Net()
+            opt = _zero(model.parameters(), self.rank1_alone)
+            Z.train(CASE, model, opt, range(0, A_STEPS))
+            opt.save_sharded(ck)
+            out["A"] = _consolidated(opt)
+            out["files"] = self.listing(ck)
+        dist.barrier()
+        out["loaded"] = self.load_here(ck)
+        return out
+
     def failure(self, case: Dict[str, Any]) -> Dict[str, Any]:
         kind = case["kind_of"]
         ck = self.path(f"ck-{kind}")
@@ -216,7 +232,7 @@ def file_size_limit(nbytes: int) -> Iterator[None]:
 
 
 def cases() -> List[Dict[str, Any]]:
-    return ([dict(name="killed", kind="killed")]
+    return ([dict(name="killed", kind="killed"), dict(name="subgroup", kind="subgroup")]
             + [dict(name=f"crash-{p}", kind="crash", point=p) for p in CRASHES]
             + [dict(name=k, kind="failure", kind_of=k) for k in FAILURES])
 

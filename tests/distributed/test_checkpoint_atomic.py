@@ -76,6 +76,15 @@ def test_killed_mid_write_leaves_the_old_save(run):
     assert res["after"] == sorted([COMMIT] + _saves(res["after"])) and len(_saves(res["after"])) == 1, res["after"]
 
 
+def test_saved_by_a_subgroup_whose_rank_0_is_not_global_rank_0(run):
+    """The group of global rank 1 alone saves (publishing is its rank 0's job); both ranks load it."""
+    saved = _get(run, "subgroup", 1)
+    assert saved["files"] == sorted([COMMIT] + _saves(saved["files"])) and len(_saves(saved["files"])) == 1
+    for r in range(2):
+        assert _get(run, "subgroup", r)["loaded"]["type"] is None, _get(run, "subgroup", r)["loaded"]["error"]
+    _same(_get(run, "subgroup", 0)["loaded"]["sd"], saved["A"], "loaded")
+
+
 @pytest.mark.parametrize("point", sorted(F.CRASHES))
 def test_crash_leaves_old_or_new_never_a_mix(run, point):
     """A save that dies at any point leaves exactly one committed save, the old one until the
