@@ -61,6 +61,7 @@ import sys
 import tempfile
 import threading
 import time
+import warnings
 from typing import Dict, List, Optional, Sequence
 
 import torch
@@ -108,6 +109,7 @@ class ParameterServer:
         self.built = 0                    # trainers whose optimizer exists
         self.cond = threading.Condition()
         self.seconds: Dict[str, float] = {}  # trainer -> seconds it spent training
+        self.failure: Optional[str] = None   # the first error any process reported: everyone stops
 
 
 _SERVER: List[ParameterServer] = []
@@ -131,18 +133,26 @@ def forward(x: torch.Tensor) -> torch.Tensor:
     return server().model(x)
 
 
-def wait_turn(g: int, timeout: float) -> bool:
-    """Round-robin: block (at most ``timeout`` s) until step ``g - 1`` is done."""
+def wait_turn(g: int, timeout: float) -> str:
+    """Round-robin: block (at most ``timeout`` s) until step ``g - 1`` is done.
+    Returns "go", "wait" (not yet) or "abort" (a process failed: stop)."""
     s = server()
     with s.cond:
-        return s.cond.wait_for(lambda: s.done == g, timeout)
+        s.cond.wait_for(lambda: s.failure is not None or s.done == g, timeout)
+        return _status(s, s.done == g)
 
 
-def wait_built(n: int, timeout: float) -> bool:
-    """Block (at most ``timeout`` s) until ``n`` trainers have built their optimizer."""
+def wait_built(n: int, timeout: float) -> str:
+    """Block (at most ``timeout`` s) until ``n`` trainers have built their optimizer;
+    "go", "wait" or "abort"."""
     s = server()
     with s.cond:
-        return s.cond.wait_for(lambda: s.built >= n, timeout)
+        s.cond.wait_for(lambda: s.failure is not None or s.built >= n, timeout)
+        return _status(s, s.built >= n)
+
+
+def _status(s: ParameterServer, ready: bool) -> str:
+    return "abort" if s.failure is not None else "go" if ready else "wait"
 
 
 def optimizer_built() -> None:
@@ -152,11 +162,13 @@ def optimizer_built() -> None:
         s.cond.notify_all()
 
 
-def step_done() -> None:
+def step_done() -> str:
+    """Count a finished step; "abort" when a process failed meanwhile, else "go"."""
     s = server()
     with s.cond:
         s.done += 1
         s.cond.notify_all()
+        return _status(s, True)
 
 
 def trainer_finished(name: str, seconds: float) -> None:
@@ -166,30 +178,76 @@ def trainer_finished(name: str, seconds: float) -> None:
         s.cond.notify_all()
 
 
+def report_failure(name: str, message: str) -> None:
+    """A process failed: record the first failure and wake everyone (they stop)."""
+    s = server()
+    with s.cond:
+        if s.failure is None:
+            s.failure = f"{name}: {message}"
+        s.cond.notify_all()
+
+
+def one_line(e: BaseException) -> str:
+    """``Type: message`` in one line.  An error relayed by RPC ("On WorkerInfo(...):"
+    and the worker's traceback) is reduced to the traceback's last line."""
+    lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]
+    if lines and lines[0].startswith("On WorkerInfo") and any(ln.startswith("Traceback") for ln in lines):
+        return lines[-1].strip()
+    return f"{type(e).__name__}: {' '.join(ln.strip() for ln in lines)}"[:1000]
+
+
+class Aborted(Exception):
+    """Another process failed; this one stops (the server reports why)."""
+
+
 # ================================================================ trainer side
-def train(rank: int, n_trainers: int, args: argparse.Namespace) -> None:
-    """Trainer ``rank`` (1..N) does global steps rank-1, rank-1+N, ... of ``args.steps``."""
+def train(rank: int, n_trainers: int, args: argparse.Namespace) -> int:
+    """Trainer ``rank`` (1..N) does global steps rank-1, rank-1+N, ... of ``args.steps``.
+
+    Any error (here, or raised on ``ps`` and relayed by RPC) is reported to the
+    server, which stops everyone and prints it; returns 0 once reported."""
+    try:
+        _train(rank, n_trainers, args)
+        return 0
+    except Aborted:
+        return 0  # someone else failed; the server says who
+    except Exception as e:
+        try:
+            rpc.rpc_sync(PS, report_failure, args=(trainer_name(rank), one_line(e)), timeout=10)
+            return 0
+        except Exception:
+            print(f"rpc parameter server: {trainer_name(rank)} failed: {one_line(e)}", file=sys.stderr)
+            return 1
+
+
+def _go(status: str) -> bool:
+    if status == "abort":
+        raise Aborted()
+    return status == "go"
+
+
+def _train(rank: int, n_trainers: int, args: argparse.Namespace) -> None:
     params = rpc.rpc_sync(PS, param_rrefs, args=(args.seed,))
     # The trainers build their optimizers one after the other: on a worker that
     # has not compiled funcopt's TorchScript optimizer yet, concurrent first
     # compilations fail (a known funcopt bug, being fixed).
-    while not rpc.rpc_sync(PS, wait_built, args=(rank - 1, 5.0)):
+    while not _go(rpc.rpc_sync(PS, wait_built, args=(rank - 1, 5.0))):
         pass
     opt = DistributedOptimizer(torch.optim.Adam, params, lr=args.lr)
     rpc.rpc_sync(PS, optimizer_built)
-    while not rpc.rpc_sync(PS, wait_built, args=(n_trainers, 5.0)):
+    while not _go(rpc.rpc_sync(PS, wait_built, args=(n_trainers, 5.0))):
         pass  # start together: the steps/s then measure the trainers side by side
     t0 = time.perf_counter()
     for g in range(rank - 1, args.steps, n_trainers):
         if args.schedule == "round-robin":
-            while not rpc.rpc_sync(PS, wait_turn, args=(g, 5.0)):
+            while not _go(rpc.rpc_sync(PS, wait_turn, args=(g, 5.0))):
                 pass  # still someone else's turn
         x, y = batch(args.seed, g, args.batch_size)
         with dist_autograd.context() as ctx:
             loss = F.mse_loss(rpc.rpc_sync(PS, forward, args=(x,)), y)
             dist_autograd.backward(ctx, [loss])
             opt.step(ctx)
-        rpc.rpc_sync(PS, step_done)
+        _go(rpc.rpc_sync(PS, step_done))
     rpc.rpc_sync(PS, trainer_finished, args=(trainer_name(rank), time.perf_counter() - t0))
 
 
@@ -208,10 +266,14 @@ def serve(n_trainers: int, args: argparse.Namespace, launcher: str) -> int:
     deadline = t0 + args.timeout
     with s.cond:
         while len(s.seconds) < n_trainers:
-            if time.perf_counter() > deadline:
+            failure = s.failure
+            if failure is None and time.perf_counter() > deadline:
+                failure = f"the trainers did not finish in {args.timeout:g} s ({s.done}/{args.steps} steps)"
+                s.failure = failure  # the trainers stop
+                s.cond.notify_all()
+            if failure is not None:
                 bar.close()
-                print(f"rpc parameter server: FAILED: the trainers did not finish in {args.timeout:g} s "
-                      f"({s.done}/{args.steps} steps)", file=sys.stderr)
+                print(f"rpc parameter server: FAILED: {failure}", file=sys.stderr)
                 return 1
             s.cond.wait(0.1)
             if s.done > bar.n:
@@ -254,15 +316,21 @@ def serve(n_trainers: int, args: argparse.Namespace, launcher: str) -> int:
 def run(rank: int, world: int, init_method: str, args: argparse.Namespace, launcher: str) -> int:
     """One process: rank 0 is the parameter server, ranks 1.. are trainers."""
     torch.set_num_threads(args.threads)
+    # torch's RPC setup warns this about its own internal use of a gloo backend
+    warnings.filterwarnings("ignore", message="You are using a Backend .* as a ProcessGroup", category=UserWarning)
     name = PS if rank == 0 else trainer_name(rank)
     options = rpc.TensorPipeRpcBackendOptions(init_method=init_method, rpc_timeout=args.rpc_timeout)
     rpc.init_rpc(name, rank=rank, world_size=world, rpc_backend_options=options)
     code = 0
     try:
         if rank == 0:
-            code = serve(world - 1, args, launcher)
+            try:
+                code = serve(world - 1, args, launcher)
+            except BaseException as e:  # the trainers must stop too, or the shutdown waits for them
+                report_failure(PS, one_line(e))
+                raise
         else:
-            train(rank, world - 1, args)
+            code = train(rank, world - 1, args)
     finally:
         rpc.shutdown()  # waits for every process: the server outlives its trainers' calls
     return code
@@ -273,7 +341,11 @@ def _entry(rank: int, world: int, init_method: str, args: argparse.Namespace) ->
 
 
 def spawn(args: argparse.Namespace) -> int:
-    """1 server + ``args.trainers`` trainers as local processes; the server's exit code."""
+    """1 server + ``args.trainers`` trainers as local processes; the server's exit code.
+
+    Bounded: a process that exits with an error (other than the server, which
+    prints its own summary) gets the others stopped after a short grace, and the
+    whole run is stopped ``args.timeout`` + 60 s after it started."""
     world = args.trainers + 1
     with tempfile.TemporaryDirectory(prefix="funcopt_rpc_") as tmp:
         init = "file://" + os.path.join(tmp, "rendezvous")
@@ -281,28 +353,37 @@ def spawn(args: argparse.Namespace) -> int:
         procs = [ctx.Process(target=_entry, args=(r, world, init, args), name=f"rpc-rank{r}") for r in range(world)]
         for p in procs:
             p.start()
+        deadline = time.monotonic() + args.timeout + 60
         try:
             failed: Optional[mp.Process] = None
             while any(p.is_alive() for p in procs) and failed is None:
+                if time.monotonic() > deadline:
+                    print(f"rpc parameter server: FAILED: the processes did not finish in {args.timeout + 60:g} s",
+                          file=sys.stderr)
+                    return 1
                 for p in procs:
                     p.join(0.1)
                     if p.exitcode not in (None, 0):
                         failed = p
                         break
-            if failed is not None:  # the others would wait for it until the RPC timeout
-                time.sleep(1.0)
-                for p in procs:
-                    if p.is_alive():
-                        p.terminate()
-                print(f"rpc parameter server: process {failed.name} exited with code {failed.exitcode}",
+            if failed is not None:
+                # the server may still be saying why; the others would wait for the failed one
+                procs[0].join(10 if failed is not procs[0] else 0)
+                if procs[0].exitcode not in (None, 0):
+                    return procs[0].exitcode if procs[0].exitcode > 0 else 1  # it printed the reason
+                print(f"rpc parameter server: FAILED: process {failed.name} exited with code {failed.exitcode}",
                       file=sys.stderr)
                 return failed.exitcode if failed.exitcode and failed.exitcode > 0 else 1
             return procs[0].exitcode or 0
         finally:
+            for p in procs:  # our own children, by handle
+                if p.is_alive():
+                    p.terminate()
             for p in procs:
+                p.join(5)
                 if p.is_alive():
                     p.kill()
-                p.join(5)
+                    p.join(5)
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -323,7 +404,22 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     for name in ("trainers", "steps", "batch_size", "threads"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
+    for name in ("rpc_timeout", "timeout"):
+        if not getattr(args, name) > 0:
+            p.error(f"--{name.replace('_', '-')} must be positive")
+    problem = check_lr(args.lr)
+    if problem:
+        p.error(f"--lr {args.lr:g}: {problem}")
     return args
+
+
+def check_lr(lr: float) -> Optional[str]:
+    """torch.optim.Adam's own complaint about ``lr`` (checked before anything is spawned), or None."""
+    try:
+        torch.optim.Adam([torch.zeros(1, requires_grad=True)], lr=lr)
+    except ValueError as e:
+        return str(e)
+    return None
 
 
 def main(argv: Optional[Sequence[str]] = None, args: Optional[argparse.Namespace] = None) -> int:

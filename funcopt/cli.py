@@ -115,6 +115,10 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     if args.batch_size < 1:
         print("funcopt demo: --batch-size must be at least 1", file=sys.stderr)
         return 2
+    problem = _lr_problem(args.lr)
+    if problem:  # before anything is spawned: one line, exit 2
+        print(f"funcopt demo: --lr {args.lr:g}: {problem}", file=sys.stderr)
+        return 2
     if args.rpc:
         from .rpc_demo import run as _demo_rpc
 
@@ -125,6 +129,17 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         print("funcopt demo: --world-size needs --zero", file=sys.stderr)
         return 2
     return _demo_local(args)
+
+
+def _lr_problem(lr: float) -> Optional[str]:
+    """torch.optim.Adam's own complaint about ``lr`` (every demo trains with Adam), or None."""
+    import torch
+
+    try:
+        torch.optim.Adam([torch.zeros(1, requires_grad=True)], lr=lr)
+    except ValueError as e:
+        return str(e)
+    return None
 
 
 def _make_model(torch, seed: int):
