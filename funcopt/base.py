@@ -47,7 +47,11 @@ _FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # torch's own group keys that choose torch's implementation; we keep them in
 # param_groups (the state_dict format) but they do not feed the core.
 _IMPL_KEYS = ("foreach", "fused", "capturable")
-_JIT_MSG = re.compile(r"ValueError: (funcopt: [^\n]*)")
+# our own errors raised inside a scripted core (funcopt/_slots.py, funcopt/optimizers/*),
+# re-raised with their Python type: torch.jit.Error is not a RuntimeError
+_JIT_MSG = re.compile(
+    r"(ValueError|RuntimeError): ((?:funcopt: |Adam does not support sparse|weight_decay option is not)[^\n]*)"
+)
 
 
 def _flatten_hyper(group: Dict[str, Any]) -> Dict[str, float]:
@@ -203,6 +207,10 @@ class Optimizer(torch.optim.Optimizer):
         self._init_private()
         super().__init__(params, defaults)
         self._build_core({})
+        # Adagrad-like: the core creates every parameter's state up front
+        slots = self._slots
+        self._state_at_construction = len(slots.params) > 0 and all(
+            slots.state_present(i) for i in range(len(slots.params)))
 
     def _init_private(self) -> None:
         d = self.__dict__
@@ -215,6 +223,7 @@ class Optimizer(torch.optim.Optimizer):
         d["_epoch"] = -1
         d["_fused_unavailable"] = None
         d["_dup_error"] = None
+        d["_state_at_construction"] = False
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name == "state" and "_state_flag" in self.__dict__:
@@ -247,6 +256,9 @@ class Optimizer(torch.optim.Optimizer):
         })
         with self._lock:
             self._build_core({})
+            slots = self._slots
+            self._state_at_construction = len(slots.params) > 0 and all(
+                slots.state_present(i) for i in range(len(slots.params)))
             for k, v in saved_state.items():
                 self.state[k] = v
             self._push_state()
@@ -463,6 +475,12 @@ class Optimizer(torch.optim.Optimizer):
             current = self._state_entry(i)
             if not entry:
                 if current:
+                    if self._state_at_construction:
+                        raise ValueError(
+                            f"{name}: parameter {i} cannot lose its state: {name} keeps state for every "
+                            "parameter from construction (torch.optim fails at the next step); write a "
+                            "full entry instead"
+                        )
                     staged[i] = ([torch.empty(0) for _ in self.slots], False)
                 continue
             if state_format.entries_equal(entry, current):
@@ -608,7 +626,7 @@ class Optimizer(torch.optim.Optimizer):
         except torch.jit.Error as e:  # scripted core: surface our own errors as ValueError
             m = _JIT_MSG.search(str(e))
             if m:
-                raise ValueError(m.group(1)) from None
+                raise (ValueError if m.group(1) == "ValueError" else RuntimeError)(m.group(2)) from None
             raise
 
     # ------------------------------------------------------------------ state
