@@ -15,7 +15,7 @@ import json
 import math
 import os
 import shutil
-from typing import Any, Dict, Iterator, List, Optional, Set
+from typing import Any, Dict, Iterator, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -46,6 +46,8 @@ TRANSITIONS: List[Dict[str, Any]] = [
     dict(name="flat1-to-greedy4-adam", algo="Adam", save=1, load=4, load_partition="greedy"),
     # saved by ZeRO-2 (no DDP), loaded by ZeRO-1 with DDP: the checkpoint does not depend on the stage
     dict(name="zero2-4to2", algo="Adam", save=4, load=2, save_stage=2),
+    # a zero-element parameter (its state: empty tensors and a step)
+    dict(name="empty-param-4to2", algo="Adam", save=4, load=2, model=dict(empty=True)),
 ]
 for _t in TRANSITIONS:
     _t.setdefault("model", {})
