@@ -46,16 +46,28 @@ def param_ids(param_groups: Sequence[Mapping[str, Any]]) -> Tuple[Dict[int, int]
     return mapping, per_group
 
 
+def hyperparameters(group: Mapping[str, Any]) -> Dict[str, Any]:
+    """A param group without its parameters (``params``, ``param_names``)."""
+    return {k: v for k, v in group.items() if k not in NON_HYPER}
+
+
+def pack_groups(param_groups: Sequence[Mapping[str, Any]]) -> List[Dict[str, Any]]:
+    """``param_groups`` as a state dict writes them (ids instead of tensors)."""
+    _, ids = param_ids(param_groups)
+    out = []
+    for group, gids in zip(param_groups, ids):
+        packed = {k: v for k, v in group.items() if k != "params"}
+        packed["params"] = gids
+        out.append(packed)
+    return out
+
+
 def pack(param_groups: Sequence[Mapping[str, Any]], state: Mapping[Any, Any]) -> Dict[str, Any]:
     """The state dict of ``param_groups`` and ``state`` (``{param: entry}``;
     non-tensor keys are kept as they are).  Tensors are returned by reference,
     as torch does."""
-    mapping, ids = param_ids(param_groups)
-    groups = []
-    for group, gids in zip(param_groups, ids):
-        packed = {k: v for k, v in group.items() if k != "params"}
-        packed["params"] = gids
-        groups.append(packed)
+    mapping, _ = param_ids(param_groups)
+    groups = pack_groups(param_groups)
     packed_state: Dict[Any, Any] = {}
     for key, entry in state.items():
         if isinstance(key, Tensor):
