@@ -13,49 +13,76 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.profiler import record_function
 
 from .. import registry
 from ..script import script
-from . import _comm, checkpoint
-from .bucketer import ReduceScatterBucketer
-from .layout import Layout, Segment, chunks, make_layout
+from . import _comm, _pieces, checkpoint
+from ._zero2 import Zero2Mixin
+from .layout import PARTITIONS, Layout, Segment, chunks, make_layout
+
+_NOT_HYPER = ("params", "param_names")
 
 
 def _align(nbytes: int) -> int:
     return (nbytes + 15) // 16 * 16
 
 
-def _flat(t: Tensor) -> Tensor:
-    if not t.is_contiguous():
-        raise ValueError("ZeroRedundancyOptimizer needs contiguous parameters")
-    return t.view(-1)
+def _norm(v: Any) -> Any:
+    """A hyperparameter value as a plain, picklable, rank-independent description."""
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    if isinstance(v, (tuple, list)):
+        return tuple(_norm(x) for x in v)
+    if isinstance(v, Tensor):
+        return ("tensor", str(v.dtype), v.tolist() if v.numel() <= 16 else tuple(v.shape))
+    return type(v).__qualname__
 
 
-class ZeroRedundancyOptimizer(torch.optim.Optimizer):
+class _ZeroJoinHook(JoinHook):
+    """A joined rank keeps stepping (its shard update and the parameter sync) until all ranks join."""
+
+    def __init__(self, zero: "ZeroRedundancyOptimizer"):
+        self.zero = zero
+        super().__init__()
+
+    def main_hook(self) -> None:
+        self.zero.step()
+
+
+class ZeroRedundancyOptimizer(Zero2Mixin, torch.optim.Optimizer, Joinable):
     r"""Shard optimizer state (and optionally gradients) over the ranks of a process group.
 
     A drop-in for ``torch.distributed.optim.ZeroRedundancyOptimizer``: same
-    constructor, ``step(closure=None)`` reading ``p.grad`` (after DDP's
-    all-reduce), ``param_groups`` that LR schedulers drive, ``add_param_group``,
-    ``consolidate_state_dict(to)``, ``state_dict()``, ``load_state_dict()``.
+    constructor, ``step(closure=None, **kwargs)`` reading ``p.grad`` (after
+    DDP's all-reduce), ``optim`` (this rank's local optimizer),
+    ``param_groups`` that LR schedulers drive, ``add_param_group``,
+    ``consolidate_state_dict(to)``, ``state_dict()``, ``load_state_dict()``,
+    ``join_hook()`` for uneven inputs (``torch.distributed.algorithms.join.Join``).
 
     Args:
       params: tensors or param-group dicts, identical on every rank.
       optimizer_class: a funcopt class or the matching ``torch.optim`` class
-        (mapped through the registry); the shard always steps through the
-        funcopt core, scripted, fused where available.
+        (mapped through the registry: the shard steps through the funcopt
+        core, scripted, fused where available), or any other
+        ``torch.optim.Optimizer`` subclass (run eagerly over this rank's
+        whole parameters, as torch does).
       process_group: default: the world.
       parameters_as_bucket_view: make ``p.data`` views into one flat buffer
-        per dtype, so the sync writes straight into the parameters.
+        per dtype, so the sync writes straight into the parameters
+        (non-contiguous parameters keep their strides and are copied).
       overlap_with_ddp: not supported yet (raises ``NotImplementedError``).
-      partition: ``"flat"`` (even contiguous ranges, default) or ``"greedy"``
-        (torch's whole-parameter partition).
+      partition: ``"flat"`` (even contiguous ranges; the default for funcopt
+        algorithms) or ``"greedy"`` (torch's whole-parameter partition; the
+        default, and the only choice, for other optimizer classes).
       zero_stage: ``1`` (gradients all-reduced by DDP) or ``2``: gradients are
         reduce-scattered in buckets during backward (hooks on gradient
-        accumulation); no DDP.  After backward each rank holds only its shard.
+        accumulation); no DDP.  After backward each rank holds only its shard;
+        ``torch.amp.GradScaler`` unscales the shards and skips a step with
+        inf/NaN gradients on every rank.
       bucket_size_mb: parameter-sync / reduce-scatter bucket size (default 25).
-      **defaults: hyperparameters of ``optimizer_class``.
+      **defaults: hyperparameters of ``optimizer_class``, the same on every rank.
 
     Usage::
 
@@ -70,6 +97,9 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
     .. warning:: collective: construct it, ``step``, ``add_param_group``,
        ``consolidate_state_dict``, ``load_state_dict`` and the sharded
        checkpoint calls on every rank of the group, in the same order.
+       Construction and ``add_param_group`` check that every rank passed the
+       same parameters and hyperparameters (``DistributedError`` naming the
+       difference, on every rank).
     """
 
     def __init__(
@@ -80,7 +110,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         parameters_as_bucket_view: bool = False,
         overlap_with_ddp: bool = False,
         *,
-        partition: str = "flat",
+        partition: Optional[str] = None,
         zero_stage: int = 1,
         bucket_size_mb: int = 25,
         **defaults: Any,
@@ -89,7 +119,22 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             raise NotImplementedError("overlap_with_ddp=True lands with the optimizer-in-backward work")
         if zero_stage not in (1, 2):
             raise ValueError(f"zero_stage must be 1 or 2, got {zero_stage}")
-        self.spec = registry.get(optimizer_class)
+        try:
+            self.spec: Optional[registry.AlgorithmSpec] = registry.get(optimizer_class)
+        except KeyError:
+            if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
+                raise TypeError(f"optimizer_class must be a torch.optim.Optimizer subclass or a funcopt "
+                                f"algorithm, got {optimizer_class!r}") from None
+            self.spec = None  # run eagerly, as torch's ZeroRedundancyOptimizer does
+        if partition is None:
+            partition = "flat" if self.spec is not None else "greedy"
+        if partition not in PARTITIONS:
+            raise ValueError(f"partition must be one of {PARTITIONS}, got {partition!r}")
+        if self.spec is None and partition != "greedy":
+            raise ValueError(
+                f"partition={partition!r} cuts parameters into element ranges, which only funcopt's "
+                f"algorithms ({', '.join(registry.REGISTRY)}) can step; {optimizer_class.__qualname__} "
+                "runs eagerly over whole parameters: use partition='greedy'")
         self.optimizer_class = optimizer_class
         self.process_group = process_group
         self.rank, self.world_size = _comm.rank_and_size(process_group)
@@ -97,34 +142,68 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self.partition = partition
         self.zero_stage = zero_stage
         self.bucket_size_mb = bucket_size_mb
-        probe = self.spec.cls([torch.zeros(1, requires_grad=True)], **defaults)  # validates, fills defaults
-        self._impl = probe.impl
+        self._optim_defaults = dict(defaults)
+        # validates the hyperparameters with the class's own errors and fills its defaults
+        if self.spec is not None:
+            probe = self.spec.cls([torch.zeros(1, requires_grad=True)], **defaults)
+            self._impl = probe.impl
+        else:
+            probe = optimizer_class([torch.zeros(1, requires_grad=True)], **defaults)
         self._local: Any = None
         self._all_state_dicts: Optional[Dict[str, Any]] = None
         self._hooks: List[Any] = []
-        super().__init__(params, dict(probe.defaults))
+        torch.optim.Optimizer.__init__(self, params, dict(probe.defaults))
+        Joinable.__init__(self)
+        # torch.amp.GradScaler hands itself to step() (grad_scaler=) when this is set: ZeRO-2
+        # gradients live in shards that only the optimizer can unscale and check
+        self._step_supports_amp_scaling = zero_stage == 2
         self._rebuild(carry_state=False)
 
     # ----------------------------------------------------------- structure
+    @property
+    def optim(self) -> torch.optim.Optimizer:
+        """This rank's local optimizer (over the parameters, or element ranges, it owns)."""
+        return self._local
+
+    @property
+    def _all_params(self) -> List[Tensor]:  # torch's name; its tests and join hooks read it
+        return self._params()
+
+    @property
+    def _eager(self) -> bool:
+        return self.spec is None
+
     def _params(self) -> List[Tensor]:
         return [p for g in self.param_groups for p in g["params"]]
 
-    def _describe(self) -> List[Any]:
-        return [[(tuple(p.shape), str(p.dtype)) for p in g["params"]] for g in self.param_groups]
+    def _algorithm(self) -> str:
+        if self.spec is not None:
+            return self.spec.name
+        return f"{self.optimizer_class.__module__}.{self.optimizer_class.__qualname__}"
+
+    def _describe(self) -> Dict[str, Any]:
+        """What every rank must agree on (compared by digest, explained on mismatch)."""
+        return dict(
+            optimizer=self._algorithm(), partition=self.partition, zero_stage=self.zero_stage,
+            parameters_as_bucket_view=self.parameters_as_bucket_view,
+            params=[[(tuple(p.shape), str(p.dtype), str(p.layout)) for p in g["params"]] for g in self.param_groups],
+            hyperparameters=[{k: _norm(v) for k, v in sorted(g.items()) if k not in _NOT_HYPER}
+                             for g in self.param_groups])
 
     def _rebuild(self, carry_state: bool) -> None:
         """(Re)compute the layout and the local optimizer.  Collective."""
         with record_function("funcopt::zero/partition"):
-            _comm.check_same((self._describe(), self.partition, self.zero_stage, self.spec.name),
-                             self.process_group, "ZeroRedundancyOptimizer parameter set")
-            pieces = self._gather_pieces() if carry_state else None
+            _comm.check_same(self._describe(), self.process_group, "ZeroRedundancyOptimizer")
             params = self._params()
+            for p in params:  # the same on every rank now
+                if p.layout != torch.strided:
+                    raise ValueError(f"ZeroRedundancyOptimizer supports dense (strided) parameters only, got {p.layout}")
+            pieces = self._gather_pieces() if carry_state else None
             self.layout: Layout = make_layout(
                 [p.numel() for p in params], [p.dtype for p in params],
                 [len(g["params"]) for g in self.param_groups], self.world_size, self.partition)
             self._segments: List[Segment] = self.layout.segments(self.rank)
-            if self.parameters_as_bucket_view:
-                self._make_bucket_views(params)
+            self._make_homes(params)
             self._build_local(params)
             if pieces is not None:
                 self._load_pieces(pieces)
@@ -132,21 +211,42 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             if self.zero_stage == 2:
                 self._setup_zero2(params)
 
-    def _make_bucket_views(self, params: List[Tensor]) -> None:
-        self._buffers: Dict[str, Tensor] = {}
-        for key, space in self.layout.spaces.items():
-            buf = torch.empty(self.world_size * space.shard, dtype=space.dtype, device=self._device(params, space))
-            placed = set()
-            for r, segs in enumerate(space.ranks):
-                for s in segs:
-                    if s.param not in placed:
-                        placed.add(s.param)
-                        p = params[s.param]
-                        at = r * space.shard + s.offset - s.start
-                        view = buf[at: at + p.numel()].view_as(p)
-                        view.copy_(p.detach())
-                        p.data = view
-            self._buffers[key] = buf
+    def _make_homes(self, params: List[Tensor]) -> None:
+        """Each parameter's *home*: a contiguous 1-D tensor of its elements in logical
+        order, what the local step and the sync work on.  A contiguous parameter is
+        its own home (with bucket views: ``p.data`` becomes a view of its range of
+        the buffer); a non-contiguous one (channels_last, transposed, a strided
+        slice) keeps its strides and is *shadowed*: its home is a copy, refreshed
+        before the local step and copied back after the sync."""
+        self._homes: List[Tensor] = []
+        self._shadowed: List[int] = []
+        regions: Dict[int, Tensor] = {}
+        if self.parameters_as_bucket_view:
+            self._buffers: Dict[str, Tensor] = {}
+            for key, space in self.layout.spaces.items():
+                buf = torch.empty(self.world_size * space.shard, dtype=space.dtype, device=self._device(params, space))
+                for r, segs in enumerate(space.ranks):
+                    for s in segs:
+                        if s.param not in regions:
+                            at = r * space.shard + s.offset - s.start
+                            regions[s.param] = buf[at: at + params[s.param].numel()]
+                self._buffers[key] = buf
+        for i, p in enumerate(params):
+            region = regions.get(i)
+            if p.is_contiguous():
+                if region is None:
+                    home = p.detach().view(-1)
+                else:
+                    region.copy_(p.detach().view(-1))
+                    p.data = region.view_as(p)
+                    home = region
+            else:
+                home = region if region is not None else torch.empty(p.numel(), dtype=p.dtype, device=p.device)
+                home.view(p.shape).copy_(p.detach())
+                self._shadowed.append(i)
+            self._homes.append(home)
+        mine = {s.param for s in self._segments}
+        self._shadowed_mine = [i for i in self._shadowed if i in mine]
 
     @staticmethod
     def _device(params: List[Tensor], space: Any) -> torch.device:
@@ -156,58 +256,131 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         return torch.device("cpu")
 
     def _build_local(self, params: List[Tensor]) -> None:
+        """The local optimizer over this rank's segments: a whole parameter is the
+        parameter itself (as in torch; ``optim.state[p]`` works), except a shadowed one
+        under a funcopt algorithm (its home in the parameter's shape); a partial
+        segment is a 1-D view of the home."""
         groups: List[Dict[str, Any]] = []
         gid = [g for g, group in enumerate(self.param_groups) for _ in group["params"]]
-        for g, group in enumerate(self.param_groups):
-            hyper = {k: v for k, v in group.items() if k not in ("params", "param_names")}
-            groups.append(dict(hyper, params=[]))
+        for group in self.param_groups:
+            groups.append(dict({k: v for k, v in group.items() if k not in _NOT_HYPER}, params=[]))
+        shadowed = set(self._shadowed)
+        self._local_tensors: List[Tensor] = []
+        self._local_shapes: List[Optional[Tuple[int, ...]]] = []  # None: a 1-D element range
         for s in self._segments:
-            groups[gid[s.param]]["params"].append(_flat(params[s.param].detach())[s.start: s.start + s.length])
+            p = params[s.param]
+            if _pieces.is_whole(s.start, s.length, p.numel()):
+                t = p if (self._eager or s.param not in shadowed) else self._homes[s.param].view(p.shape)
+                self._local_shapes.append(tuple(p.shape))
+            else:
+                t = self._homes[s.param][s.start: s.start + s.length]
+                self._local_shapes.append(None)
+            self._local_tensors.append(t)
+            groups[gid[s.param]]["params"].append(t)
         self._local_gid = [gid[s.param] for s in self._segments]
-        self._local = script(self.spec.cls(groups, impl=self._impl))
+        if self._eager:
+            self._local = self.optimizer_class(groups, **self._optim_defaults)
+        else:
+            self._local = script(self.spec.cls(groups, impl=self._impl))
 
-    def _sync_hyper(self) -> None:
-        for group, local in zip(self.param_groups, self._local.param_groups):
-            for k, v in group.items():
-                if k not in ("params", "param_names") and local.get(k) is not v:
-                    local[k] = v
+    @staticmethod
+    def _sync_groups(src: List[Dict[str, Any]], dst: List[Dict[str, Any]]) -> None:
+        """Copy every hyperparameter (not ``params``) of ``src``'s groups to ``dst``'s."""
+        for a, b in zip(src, dst):
+            for k, v in a.items():
+                if k not in _NOT_HYPER and b.get(k) is not v:
+                    b[k] = v
 
     # ----------------------------------------------------------------- step
-    @torch.no_grad()
-    def step(self, closure: Optional[Callable[[], float]] = None, **kwargs: Any) -> Optional[float]:
-        """Update this rank's shard, then bring every shard to every rank.  Collective."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+    def step(self, closure: Optional[Callable[[], float]] = None, *, grad_scaler: Any = None,
+             **kwargs: Any) -> Optional[float]:
+        """Update this rank's shard, then bring every shard to every rank.  Collective.
+
+        ``closure`` and ``kwargs`` as in torch (an eager local optimizer gets
+        them as torch's ZeroRedundancyOptimizer passes them).  ``grad_scaler``:
+        passed by ``torch.amp.GradScaler.step`` under ZeRO-2 (do not pass it
+        yourself): the gradient shards are unscaled and a step with inf/NaN
+        gradients on any rank is skipped on every rank.
+        """
+        Join.notify_join_context(self)
+        if grad_scaler is not None and self.zero_stage != 2:
+            raise ValueError("grad_scaler= is for zero_stage=2; with zero_stage=1 GradScaler unscales p.grad itself")
+        if self.zero_stage == 2 and grad_scaler is None and getattr(self, "found_inf", None) is not None:
+            raise RuntimeError(
+                "ZeRO-2 with torch.amp.GradScaler: the scaler must reach ZeroRedundancyOptimizer.step as "
+                "grad_scaler= (a subclass overriding step() must accept and forward grad_scaler)")
         params = self._params()
+        loss = None
+        if self.zero_stage == 2 or not self._eager:
+            if closure is not None:
+                with torch.enable_grad():
+                    loss = closure()
+            closure = None
+            grads = self._collect_grads(params)
+            if self.zero_stage == 2 and grad_scaler is not None and self._zero2_amp(grad_scaler):
+                return loss  # inf/NaN gradients on some rank: every rank skips the step
         with record_function("funcopt::zero/local_step"):
-            self._sync_hyper()
-            grads = self._local_grads(params)
-            self._local.step(grads, **kwargs)
-        with record_function("funcopt::zero/sync_params"):
+            if self._eager:
+                out = self._eager_local_step(closure, grads if self.zero_stage == 2 else None, kwargs)
+                loss = out if loss is None else loss
+            else:
+                with torch.no_grad():
+                    for i in self._shadowed_mine:
+                        self._homes[i].view(params[i].shape).copy_(params[i].detach())
+                    self._sync_groups(self.param_groups, self._local.param_groups)
+                    self._local.step(grads, **kwargs)
+        with record_function("funcopt::zero/sync_params"), torch.no_grad():
             self._sync_params(params)
         return loss
 
-    def _local_grads(self, params: List[Tensor]) -> List[Optional[Tensor]]:
-        if self.zero_stage == 2:
-            return self._zero2_grads(params)
-        out: List[Optional[Tensor]] = []
-        for s in self._segments:
-            g = params[s.param].grad
-            out.append(None if g is None else g.reshape(-1)[s.start: s.start + s.length])
-        return out
+    def _collect_grads(self, params: List[Tensor]) -> List[Optional[Tensor]]:
+        """One gradient per local segment, shaped like its local tensor (contiguous)."""
+        with torch.no_grad():
+            if self.zero_stage == 2:
+                return self._zero2_grads(params, self._local_shapes)
+            out: List[Optional[Tensor]] = []
+            for s, shape in zip(self._segments, self._local_shapes):
+                g = params[s.param].grad
+                if g is None:
+                    out.append(None)
+                elif shape is not None:  # whole: the local tensor is contiguous
+                    out.append(g if g.layout != torch.strided or g.is_contiguous() else g.contiguous())
+                else:
+                    dense = g if g.layout == torch.strided else g.to_dense()
+                    out.append(dense.reshape(-1)[s.start: s.start + s.length])
+            return out
+
+    def _eager_local_step(self, closure: Optional[Callable[[], float]], grads: Optional[List[Optional[Tensor]]],
+                          kwargs: Dict[str, Any]) -> Any:
+        """Step a torch.optim-style local optimizer as torch's ZeRO does: hyperparameters
+        synced both ways, ``closure``/``kwargs`` passed on.  ZeRO-2: the gradient shards
+        are lent to the owned parameters' ``.grad`` for the step."""
+        if grads is not None:
+            for t, g in zip(self._local_tensors, grads):
+                t.grad = g
+        self._sync_groups(self.param_groups, self._local.param_groups)
+        try:
+            loss = self._local.step(**kwargs) if closure is None else self._local.step(closure=closure, **kwargs)
+        finally:
+            if grads is not None:
+                for t in self._local_tensors:
+                    t.grad = None
+        self._sync_groups(self._local.param_groups, self.param_groups)
+        with torch.no_grad():
+            params = self._params()
+            for i in self._shadowed_mine:  # the eager step updated the parameter itself
+                self._homes[i].view(params[i].shape).copy_(params[i].detach())
+        return loss
 
     def _plan_sync(self) -> None:
         """Precompute the parameter sync: per space and bucket-sized range of the
-        shards, each owner's broadcast and the views it lands in."""
-        params = self._params()
+        shards, each owner's broadcast and the home ranges it lands in."""
         self._sync_plan = []
         self._sync_buf: Optional[Tensor] = None
         for key, space in self.layout.spaces.items():
             for lo, hi in chunks(space.shard, self._chunk_elems(space)):
                 for r in range(self.world_size):
-                    pieces = [(params[s.param], s.start + skip, take, s.offset + skip - lo)
+                    pieces = [(s.param, s.start + skip, take, s.offset + skip - lo)
                               for s, skip, take in space.overlapping(r, lo, hi)]
                     if pieces:
                         n = max(at + take for _, _, take, at in pieces)
@@ -225,9 +398,16 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         and bucket (gloo's broadcast moved the same bytes 3-4x faster than its
         all-gather on loopback, see docs/benchmarks.md).  With bucket views the
         broadcast lands in the parameters; otherwise the owner packs its range into
-        a reused buffer and the receivers copy it out."""
-        if self.world_size == 1:
-            return
+        a reused buffer and the receivers copy it out.  Shadowed (non-contiguous)
+        parameters are then copied back from their homes."""
+        if self.world_size > 1:
+            self._broadcast_shards(params)
+        mine = set(self._shadowed_mine) if self._eager else set()
+        for i in self._shadowed:
+            if i not in mine:
+                params[i].detach().copy_(self._homes[i].view(params[i].shape))
+
+    def _broadcast_shards(self, params: List[Tensor]) -> None:
         group = self.process_group
         works, unpack = [], []
         used = 0
@@ -244,7 +424,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             nbytes = n * torch.empty((), dtype=space.dtype).element_size()
             buf = self._sync_buf[used: used + nbytes].view(space.dtype)
             used += _align(nbytes)
-            views = [_flat(p.detach())[a: a + take] for p, a, take, _ in pieces]
+            views = [self._homes[i][a: a + take] for i, a, take, _ in pieces]
             slots = [buf[at: at + take] for _, _, take, at in pieces]
             if r == self.rank:
                 torch._foreach_copy_(slots, views)
@@ -256,135 +436,28 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         for views, slots in unpack:
             torch._foreach_copy_(views, slots)
 
-    # --------------------------------------------------------------- ZeRO-2
-    def _setup_zero2(self, params: List[Tensor]) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
-        self._bucketer = ReduceScatterBucketer(self.bucket_size_mb)
-        self._grad_shards: Dict[str, Tensor] = {}
-        self._z2_chunks: List[Tuple[str, Any, int, int, List[Any], List[int]]] = []
-        for key, space in self.layout.spaces.items():
-            step = self._chunk_elems(space)
-            for lo, hi in chunks(space.shard, step):
-                plan = [[(s.param, s.start + skip, take, s.offset + skip - lo) for s, skip, take in
-                         space.overlapping(r, lo, hi)] for r in range(self.world_size)]
-                members = sorted({c[0] for rank_plan in plan for c in rank_plan})
-                self._z2_chunks.append((key, space, lo, hi, plan, members))
-        self._had_grad = [False] * len(params)  # since the last step, on this rank
-        self._chunks_of: Dict[int, List[int]] = {}
-        for j, c in enumerate(self._z2_chunks):
-            for i in c[5]:
-                self._chunks_of.setdefault(i, []).append(j)
-        for i, p in enumerate(params):
-            if p.requires_grad:
-                self._hooks.append(p.register_post_accumulate_grad_hook(self._make_hook(i)))
-        self._reset_backward()
-
-    def _reset_backward(self) -> None:
-        params = self._params()
-        self._pending = [sum(1 for i in c[5] if params[i].requires_grad) for c in self._z2_chunks]
-        self._issued = [False] * len(self._z2_chunks)
-        self._next = len(self._z2_chunks) - 1  # chunks are issued in descending order on every rank
-        self._round_active = False  # a backward has started feeding this round of chunks
-        self._seen = [False] * len(params)
-
-    def _make_hook(self, i: int) -> Callable[[Tensor], None]:
-        def hook(p: Tensor) -> None:
-            self._had_grad[i] = True
-            if not self._round_active:
-                # like DDP: finish the round when this backward ends, whatever got a gradient
-                torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-            if self._seen[i]:
-                # a second gradient for i: a new backward (gradient accumulation)
-                # began before this round completed (some trainable parameter got
-                # no gradient); finish the round first, missing gradients as zero
-                self._issue_ready(force=True)
-            self._seen[i] = True
-            self._round_active = True
-            for j in self._chunks_of.get(i, ()):
-                self._pending[j] -= 1
-            self._issue_ready(force=False)
-        return hook
-
-    def _end_of_backward(self) -> None:
-        if self._round_active:
-            self._issue_ready(force=True)
-
-    @torch.no_grad()
-    def _issue_ready(self, force: bool) -> None:
-        params = self._params()
-        while self._next >= 0 and (force or self._pending[self._next] <= 0):
-            j = self._next
-            key, space, lo, hi, plan, members = self._z2_chunks[j]
-            n = hi - lo
-            dev = params[members[0]].device if members else torch.device("cpu")
-            inputs = torch.zeros(self.world_size, n, dtype=space.dtype, device=dev)
-            for r in range(self.world_size):
-                for i, a, take, at in plan[r]:
-                    g = params[i].grad
-                    if g is not None:
-                        inputs[r, at: at + take].copy_(g.reshape(-1)[a: a + take])
-            shard = self._grad_shards.get(key)
-            if shard is None:
-                shard = self._grad_shards[key] = torch.zeros(space.shard, dtype=space.dtype, device=dev)
-            target = shard[lo:hi]
-            with record_function("funcopt::zero2/reduce_scatter"):
-                self._bucketer.reduce_scatter_async(
-                    list(inputs.unbind(0)), self.process_group,
-                    callback_fn=lambda out, t=target: t.add_(out.div_(self.world_size)))
-            self._issued[j] = True
-            self._next -= 1
-            for i in members:  # free full gradients whose chunks are all issued
-                if all(self._issued[k] for k in self._chunks_of[i]):
-                    params[i].grad = None
-        if self._next < 0:
-            # round complete: reduce what still waits in the bucketer now, so that
-            # after backward a rank holds only its shard; a further backward
-            # (gradient accumulation) starts a new round adding into the same shard
-            self._bucketer.flush()
-            self._reset_backward()
-
-    def _zero2_grads(self, params: List[Tensor]) -> List[Optional[Tensor]]:
-        if self._round_active:  # chunks whose gradients never all arrived: missing ones count as zero
-            self._issue_ready(force=True)
-        self._bucketer.flush()
-        # a parameter that got a gradient on no rank is skipped, as torch.optim skips a None grad
-        flags = torch.tensor(self._had_grad, dtype=torch.int32, device=_comm.comm_device(self.process_group))
-        if self.world_size > 1:
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.process_group)
-        had = flags.tolist()
-        self._had_grad = [False] * len(params)
-        out: List[Optional[Tensor]] = []
-        for s in self._segments:
-            p = params[s.param]
-            shard = self._grad_shards.get(str(p.dtype).replace("torch.", ""))
-            if not p.requires_grad or shard is None or not had[s.param]:
-                out.append(None)
-                continue
-            out.append(shard[s.offset: s.offset + s.length])
-        return out
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        super().zero_grad(set_to_none)
-        if self.zero_stage == 2:
-            self._grad_shards = {}
-            self._had_grad = [False] * len(self._had_grad)
-            self._reset_backward()
-
-    def grad_shard_bytes(self) -> int:
-        """Bytes of gradient this rank holds (ZeRO-2: its shard only)."""
-        if self.zero_stage == 2:
-            own = sum(t.numel() * t.element_size() for t in self._grad_shards.values())
-        else:
-            own = 0
-        full = sum(p.grad.numel() * p.grad.element_size() for p in self._params() if p.grad is not None)
-        return own + full
-
     def state_bytes(self) -> int:
         """Bytes of optimizer state this rank holds."""
         return sum(t.numel() * t.element_size() for e in self._local.state_dict()["state"].values()
                    for t in e.values() if isinstance(t, Tensor))
+
+    # ----------------------------------------------------------------- join
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        """For ``torch.distributed.algorithms.join.Join``: a joined rank keeps taking
+        part in the steps of the others (its gradients must be set, e.g. to zero,
+        as torch's).  ZeRO-1 only: ZeRO-2's reduce-scatters run inside backward."""
+        if self.zero_stage == 2:
+            raise NotImplementedError("Join (uneven inputs) with zero_stage=2: the reduce-scatters run "
+                                      "during backward, which a joined rank does not run")
+        return _ZeroJoinHook(self)
+
+    @property
+    def join_device(self) -> torch.device:
+        return self._params()[0].device
+
+    @property
+    def join_process_group(self) -> Any:
+        return self.process_group if self.process_group is not None else dist.group.WORLD
 
     # ------------------------------------------------------------ param groups
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
@@ -398,14 +471,10 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                 raise
 
     # ------------------------------------------------------------------ state
-    def _local_pieces(self) -> List[Tuple[int, int, int, Dict[str, Tensor]]]:
-        """This rank's state as (param, start, length, {name: tensor}) pieces."""
-        out = []
-        state = self._local.state_dict()["state"]
-        for k, s in enumerate(self._segments):
-            if k in state:
-                out.append((s.param, s.start, s.length, {n: t.detach().cpu() for n, t in state[k].items()}))
-        return out
+    def _local_pieces(self) -> List[_pieces.Piece]:
+        """This rank's state as (param, start, length, {name: value}) pieces (see
+        :mod:`funcopt.distributed._pieces`)."""
+        return _pieces.local_pieces(self._segments, self._local.state_dict()["state"])
 
     # public surface of the sharded state, for funcopt.distributed.checkpoint
     def shard_state(self) -> List[Tuple[int, int, int, Dict[str, Tensor]]]:
@@ -415,7 +484,11 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         are flat ranges ``[start, start + length)`` of the flattened parameter's
         state (0-d tensors, such as ``step``, whole).  Local, no communication.
         """
-        return self._local_pieces()
+        out = []
+        for i, start, length, entry in self._local_pieces():
+            out.append((i, start, length, {n: (t.reshape(-1) if isinstance(t, Tensor) and t.dim() > 0 else t)
+                                           for n, t in entry.items()}))
+        return out
 
     def stage_shard_state(self, pieces: List[Tuple[int, int, int, Dict[str, Tensor]]],
                           param_groups: List[Dict[str, Any]]) -> Any:
@@ -424,51 +497,48 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         Changes nothing; raises ``ValueError`` (or the core's error) on bad input.  Local."""
         if len(param_groups) != len(self.param_groups):
             raise ValueError(f"{len(param_groups)} param groups given, optimizer has {len(self.param_groups)}")
-        hyper = [{k: v for k, v in g.items() if k not in ("params", "param_names")} for g in param_groups]
+        hyper = [{k: v for k, v in g.items() if k not in _NOT_HYPER} for g in param_groups]
         local_sd = self._local_state_from_pieces(pieces)
         for gi, h in enumerate(hyper):
             local_sd["param_groups"][gi].update(h)
-        return hyper, self._local.stage_state(local_sd)
+        return hyper, self._stage_local(local_sd)
 
     def commit_shard_state(self, staged: Any) -> None:
         """Apply what :meth:`stage_shard_state` returned.  Local."""
         hyper, local = staged
         for group, h in zip(self.param_groups, hyper):
             group.update(h)
-        self._local.commit_state(local)
+        self._commit_local(local)
 
-    def _gather_pieces(self) -> List[Tuple[int, int, int, Dict[str, Tensor]]]:
+    def _stage_local(self, local_sd: Dict[str, Any]) -> Any:
+        """Check a local state dict without changing anything (funcopt: the core's
+        ``stage_state``; an eager torch.optim class checks in its ``load_state_dict``)."""
+        return local_sd if self._eager else self._local.stage_state(local_sd)
+
+    def _commit_local(self, staged: Any) -> None:
+        if self._eager:
+            self._local.load_state_dict(staged)
+        else:
+            self._local.commit_state(staged)
+
+    def _gather_pieces(self) -> List[_pieces.Piece]:
         return [piece for part in _comm.all_gather_object(self._local_pieces(), self.process_group) for piece in part]
 
-    def _load_pieces(self, pieces: List[Tuple[int, int, int, Dict[str, Tensor]]]) -> None:
-        self._local.commit_state(self._local.stage_state(self._local_state_from_pieces(pieces)))
+    def _load_pieces(self, pieces: List[_pieces.Piece]) -> None:
+        self._commit_local(self._stage_local(self._local_state_from_pieces(pieces)))
 
-    def _local_state_from_pieces(self, pieces: List[Tuple[int, int, int, Dict[str, Tensor]]]) -> Dict[str, Any]:
+    def _local_state_from_pieces(self, pieces: List[_pieces.Piece]) -> Dict[str, Any]:
         """The local optimizer's state dict, cut from any pieces covering our segments."""
-        by_param: Dict[int, List[Tuple[int, int, Dict[str, Tensor]]]] = {}
+        by_param: Dict[int, List[Tuple[int, int, Dict[str, Any]]]] = {}
         for i, start, length, entry in pieces:
             by_param.setdefault(i, []).append((start, length, entry))
-        state: Dict[int, Dict[str, Tensor]] = {}
-        for k, s in enumerate(self._segments):
-            have = sorted(by_param.get(s.param, []), key=lambda x: x[0])
-            if not have:
-                continue
-            entry: Dict[str, Tensor] = {}
-            for name, first in have[0][2].items():
-                if first.dim() == 0:
-                    entry[name] = first.clone()
-                    continue
-                parts, pos = [], s.start
-                for start, length, e in have:
-                    a, b = max(pos, start), min(s.start + s.length, start + length)
-                    if a < b and a == pos:
-                        parts.append(e[name].reshape(-1)[a - start: b - start])
-                        pos = b
-                if pos != s.start + s.length:
-                    raise ValueError(f"state '{name}' of parameter {s.param} does not cover elements "
-                                     f"[{s.start}, {s.start + s.length})")
-                entry[name] = torch.cat(parts) if parts else first.new_empty(0)
-            state[k] = entry
+        params = self._params()
+        state: Dict[int, Dict[str, Any]] = {}
+        for k, (s, shape) in enumerate(zip(self._segments, self._local_shapes)):
+            have = by_param.get(s.param)
+            if have:
+                state[k] = _pieces.segment_state(s, have, tuple(params[s.param].shape),
+                                                 shape if shape is not None else (s.length,))
         groups = [dict({k: v for k, v in g.items() if k != "params"}, params=[]) for g in self._local.param_groups]
         for k, gi in enumerate(self._local_gid):
             groups[gi]["params"].append(k)
@@ -488,21 +558,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                 _comm.send_object(mine, to, self.process_group)
                 self._all_state_dicts = None
 
-    def _full_state(self, pieces: List[Tuple[int, int, int, Dict[str, Tensor]]]) -> Dict[str, Any]:
-        params = self._params()
-        by_param: Dict[int, List[Tuple[int, int, Dict[str, Tensor]]]] = {}
-        for i, start, length, entry in pieces:
-            by_param.setdefault(i, []).append((start, length, entry))
-        state: Dict[int, Dict[str, Tensor]] = {}
-        for i, have in sorted(by_param.items()):
-            have.sort(key=lambda x: x[0])
-            entry = {}
-            for name, first in have[0][2].items():
-                if first.dim() == 0:
-                    entry[name] = first
-                else:
-                    entry[name] = torch.cat([e[name].reshape(-1) for _, _, e in have]).view(params[i].shape)
-            state[i] = entry
+    def _full_state(self, pieces: List[_pieces.Piece]) -> Dict[str, Any]:
+        state = _pieces.full_state(pieces, [tuple(p.shape) for p in self._params()])
         groups, start = [], 0
         for g in self.param_groups:
             packed = {k: v for k, v in g.items() if k != "params"}
@@ -548,9 +605,9 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         groups, local_staged = staged
         for group, saved in zip(self.param_groups, groups):
             for k, v in saved.items():
-                if k not in ("params", "param_names"):
+                if k not in _NOT_HYPER:
                     group[k] = v
-        self._local.commit_state(local_staged)
+        self._commit_local(local_staged)
 
     def _stage_full(self, state_dict: Dict[str, Any]) -> Tuple[List[Dict[str, Any]], Any]:
         if not isinstance(state_dict, dict) or set(state_dict) != {"state", "param_groups"}:
@@ -571,11 +628,16 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"state for unknown parameter id {sid!r}")
             i = ids[sid]
             p = params[i]
+            if not isinstance(entry, dict):
+                raise ValueError(f"state of parameter {sid!r} is a {type(entry).__name__}, not a dict")
+            if self._eager:  # the class's own state: whole parameters, kept as they are
+                pieces.append((i, 0, p.numel(), dict(entry)))
+                continue
             for name, t in entry.items():
                 if isinstance(t, Tensor) and t.dim() > 0 and t.shape != p.shape:
                     raise ValueError(f"'{name}' of parameter {sid!r} has shape {tuple(t.shape)}, parameter has {tuple(p.shape)}")
             pieces.append((i, 0, p.numel(), {n: (t if isinstance(t, Tensor) else torch.tensor(float(t))) for n, t in entry.items()}))
         local_sd = self._local_state_from_pieces(pieces)
         for gi, saved in enumerate(groups):
-            local_sd["param_groups"][gi].update({k: v for k, v in saved.items() if k not in ("params", "param_names")})
-        return groups, self._local.stage_state(local_sd)
+            local_sd["param_groups"][gi].update({k: v for k, v in saved.items() if k not in _NOT_HYPER})
+        return groups, self._stage_local(local_sd)

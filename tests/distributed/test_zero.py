@@ -288,7 +288,7 @@ def test_failed_add_param_group_changes_nothing(run, world):
 
 
 OPTIONS = {"overlap_with_ddp": "NotImplementedError", "zero_stage=3": "ValueError", "zero_stage=0": "ValueError",
-           "partition=bogus": "ValueError", "bad-lr": "ValueError", "unknown-class": "KeyError"}
+           "partition=bogus": "ValueError", "bad-lr": "ValueError", "unknown-class": "TypeError"}
 
 
 @pytest.mark.parametrize("what", sorted(OPTIONS))
