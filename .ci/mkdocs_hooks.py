@@ -8,6 +8,9 @@ Two jobs, both keeping ``mkdocs build --strict`` meaningful:
   for every object a ``::: ident`` directive in the docs renders -- the
   object itself and its public members (classes, functions, methods) --
   that has no docstring.
+* Docstrings are written with reST roles (``:class:`X```) and literal-block
+  markers (``Example::``); griffe's Google parser passes both through as
+  text, so the rendered HTML drops the role prefix and the second colon.
 * Links from a docs page to a file of the repository outside ``docs/``
   (``../examples/train_step_script.py``, which also work when the Markdown is
   read on a code host) are published with the site: the file is copied into
@@ -27,6 +30,8 @@ log = logging.getLogger("mkdocs.hooks.funcopt")
 
 _LINK = re.compile(r"(\]\()([^)\s#]+)((?:#[^)\s]*)?\))")
 _DIRECTIVE = re.compile(r"^:::\s+([\w.]+)\s*$", re.M)
+_ROLE = re.compile(r":(?:class|func|meth|mod|attr|data|exc|obj|math):(<code>)")
+_LITERAL_MARK = re.compile(r"(<p>[^<]*\w)::(</p>)")
 _REPO_DIR = "_repo"  # where out-of-docs files land in the site
 
 # docs page src_uri -> {link as written -> repo-relative target}
@@ -85,6 +90,10 @@ def on_page_markdown(markdown: str, page: Any, config: Any, files: Files) -> str
         return m.group(1) + new + m.group(3)
 
     return _LINK.sub(sub, markdown)
+
+
+def on_page_content(html: str, page: Any, config: Any, files: Files) -> str:
+    return _LITERAL_MARK.sub(r"\1:\2", _ROLE.sub(r"\1", html))
 
 
 def _members(obj: Any) -> Iterator[Any]:
