@@ -50,8 +50,17 @@ _IMPL_KEYS = ("foreach", "fused", "capturable")
 # our own errors raised inside a scripted core (funcopt/_slots.py, funcopt/optimizers/*),
 # re-raised with their Python type: torch.jit.Error is not a RuntimeError
 _JIT_MSG = re.compile(
-    r"(ValueError|RuntimeError): ((?:funcopt: |Adam does not support sparse|weight_decay option is not)[^\n]*)"
+    r"(ValueError|RuntimeError|TypeError): "
+    r"((?:funcopt: |Adam does not support sparse|weight_decay option is not)[^\n]*)"
 )
+# TorchScript prints a dtype as its c10::ScalarType number; the names, in order
+_SCALAR_TYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
+                 torch.float32, torch.float64, torch.complex32, torch.complex64, torch.complex128,
+                 torch.bool, torch.qint8, torch.quint8, torch.qint32, torch.bfloat16)
+_DTYPE_NUM = re.compile(r"\bdtype (\d+)\b")
+_SHAPE_LIST = re.compile(r"\bshape \[([\d, ]*)\]")
+_INDEX = re.compile(r"\b(gradient|parameter) (\d+)\b")
+_ERRORS = {"ValueError": ValueError, "RuntimeError": RuntimeError, "TypeError": TypeError}
 
 
 def _flatten_hyper(group: Dict[str, Any]) -> Dict[str, float]:
@@ -610,9 +619,31 @@ class Optimizer(torch.optim.Optimizer):
                 f"{type(self).__name__}.step: grads must be a list with one tensor (or None) per "
                 f"parameter, got a single tensor; pass [grad]"
             )
+        elif type(grads).__module__ == "numpy":
+            raise TypeError(
+                f"{type(self).__name__}.step: grads must be a list of torch tensors (or None), one per "
+                f"parameter, got a numpy array; pass [torch.from_numpy(a) for a in arrays]"
+            )
         elif not isinstance(grads, list):
+            is_iterator = iter(grads) is grads
             grads = list(grads)
+            n = sum(len(g["params"]) for g in self.param_groups)
+            if is_iterator and len(grads) == 0 and n > 0:
+                raise TypeError(
+                    f"{type(self).__name__}.step: the gradient iterator gave nothing (already consumed?); "
+                    f"pass a list with one tensor (or None) per parameter ({n})"
+                )
         return grads
+
+    def _not_tensors(self, grads: List[Any]) -> None:
+        """After a failed step (checked only then: no per-step cost): a clear
+        error for an entry that is not a tensor, e.g. a numpy array."""
+        for i, g in enumerate(grads):
+            if g is not None and not isinstance(g, Tensor):
+                raise TypeError(self._explain(
+                    f"funcopt: gradient {i} is a {type(g).__module__}.{type(g).__name__}, not a torch tensor; "
+                    "pass torch tensors (torch.as_tensor(...)) or None"
+                )) from None
 
     def _run(self, grads: List[Optional[Tensor]], grad_scale: Optional[Tensor], found_inf: Optional[Tensor]) -> None:
         if self._dup_error is not None:
@@ -623,11 +654,38 @@ class Optimizer(torch.optim.Optimizer):
                 raise RuntimeError(message)
         try:
             self._core.step(grads, grad_scale, found_inf)
-        except torch.jit.Error as e:  # scripted core: surface our own errors as ValueError
+        except torch.jit.Error as e:  # scripted core: our own errors, as eager raises them
             m = _JIT_MSG.search(str(e))
             if m:
-                raise (ValueError if m.group(1) == "ValueError" else RuntimeError)(m.group(2)) from None
+                raise _ERRORS[m.group(1)](self._explain(m.group(2))) from None
+            self._not_tensors(grads)
             raise
+        except (ValueError, RuntimeError, TypeError, AttributeError) as e:
+            self._not_tensors(grads)
+            msg = str(e)
+            if msg.startswith("funcopt: ") and type(e) in _ERRORS.values():
+                raise type(e)(self._explain(msg)) from None
+            raise
+
+    def _explain(self, msg: str) -> str:
+        """One wording for eager and scripted errors: dtypes by name and shapes
+        as torch.Size (TorchScript prints numbers and lists), and a flat index
+        with its group and position when there are several groups."""
+        def dtype(m: "re.Match[str]") -> str:
+            k = int(m.group(1))
+            return f"dtype {_SCALAR_TYPES[k]}" if k < len(_SCALAR_TYPES) else m.group(0)
+
+        msg = _DTYPE_NUM.sub(dtype, msg)
+        msg = _SHAPE_LIST.sub(lambda m: f"shape torch.Size([{m.group(1)}])", msg)
+        where = [(g, j) for g, group in enumerate(self.param_groups) for j in range(len(group["params"]))]
+
+        def index(m: "re.Match[str]") -> str:
+            i = int(m.group(2))
+            if i < len(where) and len(self.param_groups) > 1:
+                return f"{m.group(1)} {i} (param_groups[{where[i][0]}], position {where[i][1]})"
+            return m.group(0)
+
+        return _INDEX.sub(index, msg, count=1)
 
     # ------------------------------------------------------------------ state
     def _present(self, group: Dict[str, Any]) -> List[bool]:

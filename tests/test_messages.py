@@ -1,0 +1,74 @@
+"""Error messages: eager and scripted read the same and name what the user wrote.
+
+Dtypes by name (``torch.float64``, never TorchScript's ``dtype 7``), shapes as
+``torch.Size``, the gradient's index with its group and position, and for a
+wrong container (a single tensor, a numpy array, an exhausted generator, a
+non-tensor entry) a message that says what to pass instead.  Nothing changes
+when a step is refused.
+"""
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+import funcopt
+from funcopt import base
+from funcopt.registry import REGISTRY
+
+MODES = ["eager", "scripted"]
+
+
+def _opt(name, mode):
+    a = torch.zeros(2, requires_grad=True)
+    b = torch.zeros(3, requires_grad=True)
+    opt = REGISTRY[name].cls([{"params": [a]}, {"params": [b]}], lr=0.1)
+    return funcopt.script(opt) if mode == "scripted" else opt, [a, b]
+
+
+CASES = [
+    ("dtype", lambda: [torch.zeros(2), torch.zeros(3, dtype=torch.float64)], ValueError,
+     r"^funcopt: gradient 1 \(param_groups\[1\], position 0\) has dtype torch\.float64 but its parameter has "
+     r"dtype torch\.float32$"),
+    ("shape", lambda: [torch.zeros(2), torch.zeros(4)], ValueError,
+     r"^funcopt: gradient 1 \(param_groups\[1\], position 0\) has shape torch\.Size\(\[4\]\) but its parameter "
+     r"has shape torch\.Size\(\[3\]\)$"),
+    ("single tensor", lambda: torch.zeros(2), TypeError, r"got a single tensor; pass \[grad\]"),
+    ("numpy array", lambda: np.zeros(5), TypeError, r"numpy array; pass \[torch\.from_numpy"),
+    ("numpy entry", lambda: [np.zeros(2), None], TypeError,
+     r"gradient 0 \(param_groups\[0\], position 0\) is a numpy\.ndarray, not a torch tensor"),
+    ("consumed generator", lambda: (g for g in []), TypeError, r"already consumed\?"),
+    ("count", lambda: [torch.zeros(2)], ValueError, r"got 1 gradients for 2 parameters"),
+]
+
+
+@pytest.mark.parametrize("name", list(REGISTRY))
+@pytest.mark.parametrize("case", [c[0] for c in CASES])
+def test_eager_and_scripted_errors_read_the_same(name, case):
+    make, err, pattern = next((m, e, p) for c, m, e, p in CASES if c == case)
+    messages = []
+    for mode in MODES:
+        opt, params = _opt(name, mode)
+        before = [p.detach().clone() for p in params]
+        with pytest.raises(err, match=pattern) as info:
+            opt.step(make())
+        messages.append(str(info.value))
+        assert all(torch.equal(p.detach(), q) for p, q in zip(params, before))
+        assert opt.state_dict()["state"] == {} or name == "Adagrad"
+    assert messages[0] == messages[1]
+
+
+def test_scalar_type_table_matches_torchscript_numbering():
+    """``_SCALAR_TYPES[k]`` is the dtype TorchScript prints as ``k``."""
+    @torch.jit.script
+    def number(x: torch.Tensor) -> str:
+        return str(x.dtype)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        for k, dtype in enumerate(base._SCALAR_TYPES):
+            if dtype in (torch.qint8, torch.quint8, torch.qint32, torch.complex32):
+                continue  # no plain zeros() for quantized dtypes; complex32 warns it is experimental
+            assert number(torch.zeros(1, dtype=dtype)) == str(k), dtype
