@@ -472,9 +472,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
             _, failed = _wait_all({w: rpc.rpc_async(w, _shard_prepare, args=(i, seq, hyper), timeout=self.rpc_timeout)
                                    for w, i in self._ids.items()})
             if failed:
-                # undo everywhere (a worker that timed out may still apply it: it will find the abort first)
+                # undo where it was applied, and where it may still be (a worker that timed out
+                # may apply it late: it finds the abort first); a worker that refused holds nothing
+                undo = {w: i for w, i in self._ids.items()
+                        if w not in failed or "On WorkerInfo" not in str(failed[w]).split("\n", 1)[0]}
                 _wait_all({w: rpc.rpc_async(w, _shard_abort, args=(i, seq), timeout=self.rpc_timeout)
-                           for w, i in self._ids.items()})
+                           for w, i in undo.items()})
                 _raise_failures(failed, f"DistributedOptimizer.step: the change {hyper} was refused, no worker "
                                         "changed and none stepped:")
         return seq
