@@ -9,6 +9,12 @@ parameters must be bitwise equal.  The server shows a progress bar and prints
 the final loss, the optimizer steps per second and that comparison; the
 command exits nonzero when they differ.
 
+Failures end in bounded time with one line: bad arguments (a negative
+``--lr``, ...) are refused before anything is spawned (exit code 2, checked by
+``funcopt demo`` itself); an error in a process during the run (on a trainer,
+or raised on the server and relayed to a trainer) stops every process and the
+server prints ``rpc parameter server: FAILED: <process>: <error>`` (exit 1).
+
 The example ships with the source checkout, not with the installed package.
 This module imports nothing heavy until the demo runs.
 """
