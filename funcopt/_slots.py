@@ -11,8 +11,16 @@ what all algorithms have in common:
   which the Python wrapper keeps in sync with ``param_groups``;
 * one list of state tensors per named slot (``state[slot][param]``), filled
   lazily on a parameter's first gradient, like ``torch.optim``;
-* validation of a gradient list, done for the whole list before any tensor is
-  touched;
+* validation of a gradient list (and of ``grad_scale`` / ``found_inf``), done
+  for the whole list before any tensor is touched;
+* per step, which gradients the bucket's kernel may take: torch's fused CPU
+  kernels walk memory linearly, so in a fused bucket a parameter, gradient or
+  state tensor that is not contiguous (channels_last, transposed, expanded,
+  a slice) goes through the foreach formula for that step (``partition``), a
+  non-contiguous gradient of a contiguous parameter is copied contiguous, and
+  sparse COO gradients go to the algorithm's per-tensor formula.  Checked
+  every step (``p.data = ...`` can change strides after construction); the
+  all-contiguous case costs two ``is_contiguous`` reads per gradient;
 * the step counters of a full bucket as views of one tensor (``step_base``),
   so a step bumps them with one op instead of one ``add_`` per parameter (on
   the CPU, ``_foreach_add_`` is a loop of ``add_`` calls).  They are re-homed
@@ -71,6 +79,9 @@ class Slots:
             for i in buckets[b]:
                 bucket_of[i] = b
         self.bucket_index = bucket_of
+        # per bucket: every state tensor is contiguous (else select() sends the
+        # bucket through partition(); a fused kernel needs contiguous state)
+        self.bucket_dense: List[bool] = [True for _ in buckets]
         # bumped whenever a state tensor is replaced (allocation, set_state,
         # re-homed step counters): the Python wrapper re-reads its state view
         self.epoch = 0
@@ -83,15 +94,51 @@ class Slots:
             return "funcopt: gradient " + str(i) + " has dtype " + str(g.dtype) + " but its parameter has dtype " + str(p.dtype)
         if g.device != p.device:
             return "funcopt: gradient " + str(i) + " is on " + str(g.device) + " but its parameter is on " + str(p.device)
-        return "funcopt: gradient " + str(i) + " is sparse; sparse gradients are not supported"
+        return ""
+
+    def _odd(self, i: int, g: Tensor, sparse_msg: str) -> None:
+        """A gradient that failed the cheap test in :meth:`select`: raise if it
+        is invalid (else it needs the slow path)."""
+        if g.layout == torch.strided or g.layout == torch.sparse_coo:
+            msg = self._bad_grad(i, g)
+            if msg != "":
+                raise ValueError(msg)
+        if g.layout == torch.strided:
+            return  # not contiguous (or its parameter is not), in a fused bucket
+        if sparse_msg != "":
+            raise RuntimeError(sparse_msg)
+        if g.layout != torch.sparse_coo:
+            raise RuntimeError(
+                "funcopt: gradient " + str(i) + " is a sparse tensor of a layout other than COO "
+                "(e.g. CSR); only dense and sparse COO gradients are supported"
+            )
+
+    def _amp_arg(self, name: str, t: Tensor) -> None:
+        if t.dtype != torch.float32 or t.numel() != 1:
+            raise ValueError(
+                "funcopt: " + name + " must be a float32 tensor with one element (as torch.amp.GradScaler "
+                "makes it), got dtype " + str(t.dtype) + " and shape " + str(t.shape)
+            )
 
     def select(
-        self, grads: List[Optional[Tensor]]
-    ) -> Tuple[List[List[int]], List[List[Tensor]]]:
-        """Validate ``grads`` and split the non-None ones by bucket.
+        self,
+        grads: List[Optional[Tensor]],
+        grad_scale: Optional[Tensor] = None,
+        found_inf: Optional[Tensor] = None,
+        sparse_msg: str = "",
+    ) -> Tuple[List[List[int]], List[List[Tensor]], List[bool]]:
+        """Validate ``grads`` (and ``grad_scale`` / ``found_inf``) and split the
+        non-None gradients by bucket.
 
-        Returns, per bucket, the parameter indices that have a gradient and
-        the gradients themselves.  Raises before anything is modified.
+        Returns, per bucket, the parameter indices that have a gradient, the
+        gradients themselves, and whether the bucket needs :meth:`partition`
+        (a sparse COO gradient; in a fused bucket, a parameter, gradient or
+        state tensor that is not contiguous: torch's fused kernels walk
+        memory linearly).  ``sparse_msg``: the error for a sparse gradient
+        ("" = sparse COO gradients are accepted).  Raises before anything is
+        modified: ``ValueError`` for a gradient of the wrong shape, dtype or
+        device and for a bad ``grad_scale`` / ``found_inf``; ``RuntimeError``
+        (as torch.optim) for refused sparse gradients and integer parameters.
         """
         n = len(self.params)
         if len(grads) != n:
@@ -102,30 +149,120 @@ class Slots:
                 + str(n)
                 + " parameters"
             )
+        if grad_scale is not None:
+            self._amp_arg("grad_scale", grad_scale)
+        if found_inf is not None:
+            self._amp_arg("found_inf", found_inf)
+        params = self.params
         idx: List[List[int]] = []
         gs: List[List[Tensor]] = []
+        odd: List[bool] = []
         for b in range(len(self.buckets)):
-            bi: List[int] = []
+            bucket = self.buckets[b]
             bg: List[Tensor] = []
-            for i in self.buckets[b]:
-                g = grads[i]
-                if g is not None:
-                    p = self.params[i]
-                    # one cheap test per gradient; the message is worked out only
-                    # when it fails.  TorchScript: is_same_size builds no size
-                    # lists (2x cheaper); Dynamo cannot trace it, but shapes
-                    # are static there.
-                    if torch.jit.is_scripting():
-                        same = torch.is_same_size(g, p)
-                    else:
-                        same = g.shape == p.shape
-                    if not same or g.dtype != p.dtype or g.device != p.device or g.is_sparse:
-                        raise ValueError(self._bad_grad(i, g))
-                    bi.append(i)
-                    bg.append(g)
+            rare: List[int] = []  # gradients that failed the cheap test (no loop-carried flag: cheaper)
+            # one cheap test per gradient; the message is worked out only when
+            # it fails.  TorchScript: is_same_size builds no size lists (2x
+            # cheaper); Dynamo cannot trace it, but shapes are static there.
+            # dtype and device are compared with the bucket's (one dtype and
+            # device per bucket), saving two reads per gradient.
+            p0 = params[bucket[0]]
+            dt = p0.dtype
+            dev = p0.device
+            if self.bucket_fused[b]:
+                for i in bucket:
+                    g = grads[i]
+                    if g is not None:
+                        p = params[i]
+                        if torch.jit.is_scripting():
+                            same = torch.is_same_size(g, p)
+                        else:
+                            same = g.shape == p.shape
+                        if (not same or g.dtype != dt or g.device != dev or g.layout != torch.strided
+                                or not g.is_contiguous() or not p.is_contiguous()):
+                            self._odd(i, g, sparse_msg)
+                            rare.append(i)
+                        bg.append(g)
+                if not self.bucket_dense[b]:
+                    rare.append(-1)
+            else:
+                for i in bucket:
+                    g = grads[i]
+                    if g is not None:
+                        p = params[i]
+                        if torch.jit.is_scripting():
+                            same = torch.is_same_size(g, p)
+                        else:
+                            same = g.shape == p.shape
+                        if not same or g.dtype != dt or g.device != dev or g.layout != torch.strided:
+                            self._odd(i, g, sparse_msg)
+                            rare.append(i)
+                        bg.append(g)
+            # every gradient present (the common case): the bucket's own list,
+            # which no caller modifies
+            bi = bucket
+            if len(bg) != len(bucket):
+                bi = []
+                for i in bucket:
+                    if grads[i] is not None:
+                        bi.append(i)
+            slow = len(rare) > 0
+            if len(bi) > 0:
+                p0 = params[bi[0]]
+                if not p0.is_floating_point() and not p0.is_complex():
+                    raise RuntimeError(
+                        "funcopt: parameter " + str(bi[0]) + " has dtype " + str(p0.dtype)
+                        + "; optimizers update floating point or complex parameters only"
+                    )
+                if grad_scale is not None and grad_scale.device != p0.device:
+                    raise ValueError("funcopt: grad_scale is on " + str(grad_scale.device)
+                                     + " but parameters are on " + str(p0.device))
+                if found_inf is not None and found_inf.device != p0.device:
+                    raise ValueError("funcopt: found_inf is on " + str(found_inf.device)
+                                     + " but parameters are on " + str(p0.device))
             idx.append(bi)
             gs.append(bg)
-        return idx, gs
+            odd.append(slow and len(bi) > 0)
+        return idx, gs, odd
+
+    def partition(
+        self, b: int, idx: List[int], grads: List[Tensor]
+    ) -> Tuple[List[int], List[Tensor], List[int], List[Tensor], List[int], List[Tensor]]:
+        """Split a bucket flagged by :meth:`select` into (the fast path: the
+        bucket's kernel), (strided tensors a fused kernel cannot take: the
+        foreach formula) and (sparse COO gradients: the per-tensor formula).
+
+        Fast gradients are made contiguous where their parameter is (a copy,
+        only for such gradients).  Changes nothing.
+        """
+        fused = self.bucket_fused[b]
+        fi: List[int] = []
+        fg: List[Tensor] = []
+        si: List[int] = []
+        sg: List[Tensor] = []
+        pi: List[int] = []
+        pg: List[Tensor] = []
+        for j in range(len(idx)):
+            i = idx[j]
+            g = grads[j]
+            if g.layout != torch.strided:
+                pi.append(i)
+                pg.append(g)
+            elif not fused:
+                fi.append(i)
+                fg.append(g)
+            else:
+                ok = self.params[i].is_contiguous()
+                if ok and self.has_state[i]:
+                    for k in range(self.num_slots):
+                        ok = ok and self.state[k][i].is_contiguous()
+                if ok:
+                    fi.append(i)
+                    fg.append(g if g.is_contiguous() else g.contiguous())
+                else:
+                    si.append(i)
+                    sg.append(g)
+        return fi, fg, si, sg, pi, pg
 
     def hp(self, b: int) -> Dict[str, float]:
         return self.hyper[self.group_of[self.buckets[b][0]]]
@@ -142,9 +279,15 @@ class Slots:
     def init(self, i: int, values: List[Tensor]) -> None:
         for k in range(self.num_slots):
             self.state[k][i] = values[k]
+        self._note_layout(i, values)
         self.has_state[i] = True
         self.bucket_ready[self.bucket_index[i]] = False
         self.epoch += 1
+
+    def _note_layout(self, i: int, values: List[Tensor]) -> None:
+        for v in values:
+            if v.layout != torch.strided or not v.is_contiguous():
+                self.bucket_dense[self.bucket_index[i]] = False
 
     def lists(self, b: int, idx: List[int]) -> List[List[Tensor]]:
         """``[params, slot0, slot1, ...]`` restricted to ``idx`` (all with state)."""
@@ -215,6 +358,7 @@ class Slots:
     def set_state(self, i: int, values: List[Tensor], present: bool) -> None:
         for k in range(self.num_slots):
             self.state[k][i] = values[k]
+        self._note_layout(i, values)
         self.has_state[i] = present
         self.epoch += 1
         b = self.bucket_index[i]

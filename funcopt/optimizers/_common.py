@@ -44,7 +44,42 @@ def skip_step(found_inf: Optional[Tensor]) -> bool:
 def unscale(grads: List[Tensor], grad_scale: Optional[Tensor]) -> List[Tensor]:
     if grad_scale is None:
         return grads
-    return torch._foreach_div(grads, grad_scale)
+    # 0-d: a one-element tensor of another shape would take part in type
+    # promotion (float16 gradients / float32[1] -> float32)
+    return torch._foreach_div(grads, grad_scale.reshape([]))
+
+
+def found_inf_flag(found_inf: Optional[Tensor]) -> Optional[Tensor]:
+    """``found_inf`` as exactly 0.0 or 1.0 (float32, same device), computed on
+    device with no host sync: torch's fused kernels skip only on exactly 1.0,
+    and the step counters are corrected by subtracting it.  Any nonzero value,
+    NaN included (NaN != 0), means "skip"."""
+    if found_inf is None:
+        return None
+    return torch.ne(found_inf, 0.0).to(torch.float32).reshape([])
+
+
+def real_views(ts: List[Tensor]) -> List[Tensor]:
+    """``torch.view_as_real`` of every tensor (complex parameters are updated
+    through real views, as torch.optim does)."""
+    return [torch.view_as_real(t) for t in ts]
+
+
+def check_differentiable(params: List[Tensor], idx: List[int]) -> None:
+    """``differentiable=True`` runs the step eagerly with grad enabled, as
+    torch.optim; refused under TorchScript.  A leaf parameter that requires
+    grad cannot be updated in place with grad enabled: torch.optim fails on it
+    mid-step (autograd's error); we raise the same error before any change."""
+    if torch.jit.is_scripting():
+        raise RuntimeError(
+            "funcopt: differentiable=True cannot run in a scripted optimizer (funcopt.script): "
+            "the scripted step runs without autograd; use the eager optimizer"
+        )
+    else:
+        for i in idx:
+            p = params[i]
+            if p.is_leaf and p.requires_grad:
+                raise RuntimeError("a leaf Variable that requires grad is being used in an in-place operation.")
 
 
 # State allocation ends with an in-place fill on purpose: TorchScript's

@@ -6,14 +6,15 @@ Update rule (``g`` negated when ``maximize``; ``g += weight_decay * p``)::
     s_t  = s_{t-1} + g * g                 # s_0 = initial_accumulator_value
     p   -= clr * g / (sqrt(s_t) + eps)
 """
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 from torch import Tensor
 
 from .._slots import Slots
 from ..base import Optimizer
-from ._common import bump, full_like, scalars, skip_step, step_tensor, step_values, unscale
+from ._common import (bump, check_differentiable, found_inf_flag, full_like, real_views, scalars, skip_step,
+                      step_tensor, step_values, unscale)
 
 
 def adagrad(
@@ -42,7 +43,7 @@ def adagrad(
         torch._fused_adagrad_(params, grads, state_sums, steps, lr=lr, lr_decay=lr_decay,
                               weight_decay=weight_decay, eps=eps, maximize=maximize,
                               grad_scale=grad_scale, found_inf=found_inf)
-        if found_inf is not None:
+        if found_inf is not None:  # 0.0 or 1.0 (found_inf_flag): undo the bump on a skipped step
             torch._foreach_sub_(steps, [found_inf for _ in steps])
         return
     if skip_step(found_inf):
@@ -76,6 +77,53 @@ def adagrad(
     torch._foreach_addcdiv_(params, numerator, std)
 
 
+def adagrad_single(
+    params: List[Tensor],
+    grads: List[Tensor],
+    state_sums: List[Tensor],
+    steps: List[Tensor],
+    lr: float,
+    lr_decay: float,
+    weight_decay: float,
+    eps: float,
+    maximize: bool,
+    differentiable: bool,
+) -> None:
+    """torch's single-tensor Adagrad, in place: sparse COO gradients (only the
+    rows present are updated; no weight decay, checked by the caller) and the
+    differentiable step."""
+    for j in range(len(params)):
+        param = params[j]
+        state_sum = state_sums[j]
+        step_t = steps[j]
+        step_t += 1
+        step = step_t.item()
+        grad = grads[j] if not maximize else -grads[j]
+        if weight_decay != 0:
+            grad = grad.add(param, alpha=weight_decay)
+        clr = lr / (1 + (step - 1) * lr_decay)
+        if grad.is_sparse:
+            grad = grad.coalesce()  # the update is non-linear so indices must be unique
+            grad_indices = grad._indices()
+            grad_values = grad._values()
+            size = grad.size()
+            state_sum.add_(torch.sparse_coo_tensor(grad_indices, grad_values.pow(2), size))
+            std = state_sum.sparse_mask(grad)
+            std_values = std._values().sqrt_().add_(eps)
+            param.add_(torch.sparse_coo_tensor(grad_indices, grad_values / std_values, size), alpha=-clr)
+        else:
+            if torch.is_complex(param):
+                grad = torch.view_as_real(grad)
+                state_sum = torch.view_as_real(state_sum)
+                param = torch.view_as_real(param)
+            state_sum.addcmul_(grad, grad, value=1)
+            if differentiable:
+                std = state_sum.sqrt() + eps
+            else:
+                std = state_sum.sqrt().add_(eps)
+            param.addcdiv_(grad, std, value=-clr)
+
+
 class AdagradCore:
     """Scriptable Adagrad state and step (slots: step, sum).
 
@@ -92,7 +140,13 @@ class AdagradCore:
             init = slots.hp(b)["initial_accumulator_value"]
             for i in buckets[b]:
                 if not has[i]:
-                    slots.init(i, [step_tensor(params[i], fused[b]), full_like(params[i], init)])
+                    p = params[i]
+                    if p.is_complex():  # torch: complex(init, init)
+                        acc = torch.empty_like(p, memory_format=torch.preserve_format)
+                        torch.view_as_real(acc).fill_(init)
+                    else:
+                        acc = full_like(p, init)
+                    slots.init(i, [step_tensor(p, fused[b]), acc])
 
     def step(
         self,
@@ -101,16 +155,70 @@ class AdagradCore:
         found_inf: Optional[Tensor] = None,
     ) -> None:
         s = self.slots
-        idx, gs = s.select(grads)
-        with torch.no_grad():
-            for b in range(len(idx)):
-                if len(idx[b]) == 0:
-                    continue
-                h = s.hp(b)
-                L = s.lists(b, idx[b])
-                adagrad(L[0], gs[b], L[2], L[1], h["lr"], h["lr_decay"], h["weight_decay"], h["eps"],
-                        h["maximize"] != 0.0, s.bucket_fused[b], grad_scale, found_inf, s.step_base(b, idx[b]))
+        # every check first (gradients, grad_scale/found_inf, differentiable,
+        # weight decay with sparse gradients), then changes
+        idx, gs, odd = s.select(grads, grad_scale, found_inf, "")
+        for b in range(len(idx)):
+            if len(idx[b]) == 0:
+                continue
+            h = s.hp(b)
+            if h.get("differentiable", 0.0) != 0.0:
+                check_differentiable(s.params, idx[b])
+            if odd[b] and h["weight_decay"] != 0:
+                for g in gs[b]:
+                    if g.is_sparse:
+                        raise RuntimeError("weight_decay option is not compatible with sparse gradients")
+        found_inf = found_inf_flag(found_inf)
+        for b in range(len(idx)):
+            if len(idx[b]) == 0:
+                continue
+            h = s.hp(b)
+            fused = s.bucket_fused[b]
+            if h.get("differentiable", 0.0) != 0.0:
+                if not torch.jit.is_scripting():
+                    self._single(b, idx[b], gs[b], h, grad_scale, found_inf, True)
+                continue
+            if odd[b]:
+                fi, fg, si, sg, pi, pg = s.partition(b, idx[b], gs[b])
+                with torch.no_grad():
+                    self._apply(b, fi, fg, fused, h, grad_scale, found_inf)
+                    self._apply(b, si, sg, False, h, grad_scale, found_inf)
+                    self._single(b, pi, pg, h, grad_scale, found_inf, False)
+            else:
+                with torch.no_grad():
+                    self._apply(b, idx[b], gs[b], fused, h, grad_scale, found_inf)
         s.release()
+
+    def _apply(self, b: int, idx: List[int], grads: List[Tensor], fused: bool, h: Dict[str, float],
+               grad_scale: Optional[Tensor], found_inf: Optional[Tensor]) -> None:
+        if len(idx) == 0:
+            return
+        s = self.slots
+        L = s.lists(b, idx)
+        params, sums = L[0], L[2]
+        if params[0].is_complex():  # one dtype per bucket; never fused
+            params, sums = s.keep(real_views(params)), s.keep(real_views(sums))
+            grads = real_views(grads)
+        adagrad(params, grads, sums, L[1], h["lr"], h["lr_decay"], h["weight_decay"], h["eps"],
+                h["maximize"] != 0.0, fused, grad_scale, found_inf, s.step_base(b, idx))
+
+    def _single(self, b: int, idx: List[int], grads: List[Tensor], h: Dict[str, float],
+                grad_scale: Optional[Tensor], found_inf: Optional[Tensor], differentiable: bool) -> None:
+        """Per tensor (sparse COO gradients; differentiable=True, eager)."""
+        if len(idx) == 0 or skip_step(found_inf):
+            return
+        s = self.slots
+        L = s.lists(b, idx)
+        gl: List[Tensor] = []
+        for g in grads:
+            gl.append(g if grad_scale is None else g / grad_scale.reshape([]))
+        if differentiable and not torch.jit.is_scripting():
+            with torch.enable_grad():
+                adagrad_single(L[0], gl, L[2], L[1], h["lr"], h["lr_decay"], h["weight_decay"], h["eps"],
+                               h["maximize"] != 0.0, True)
+        else:
+            adagrad_single(L[0], gl, L[2], L[1], h["lr"], h["lr_decay"], h["weight_decay"], h["eps"],
+                           h["maximize"] != 0.0, False)
 
 
 class Adagrad(Optimizer):

@@ -10,14 +10,15 @@ Update rule for each parameter :math:`p` with gradient :math:`g` at step :math:`
     vmax_t = max(vmax_{t-1}, v_t)                 # amsgrad only
     p -= lr / (1 - beta1^t) * m_t / (sqrt(v_t or vmax_t) / sqrt(1 - beta2^t) + eps)
 """
-from typing import Any, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
 from .._slots import Slots
 from ..base import Optimizer
-from ._common import bump, scalars, skip_step, step_tensor, step_values, unscale, zeros_like
+from ._common import (bump, check_differentiable, found_inf_flag, real_views, scalars, skip_step, step_tensor,
+                      step_values, unscale, zeros_like)
 
 
 def adam(
@@ -78,7 +79,7 @@ def adam(
             torch._fused_adam_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
                                lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps,
                                amsgrad=amsgrad, maximize=maximize, grad_scale=grad_scale, found_inf=found_inf)
-        if found_inf is not None:
+        if found_inf is not None:  # 0.0 or 1.0 (found_inf_flag): undo the bump on a skipped step
             torch._foreach_sub_(steps, [found_inf for _ in steps])
         return
     if skip_step(found_inf):
@@ -124,6 +125,58 @@ def adam(
     torch._foreach_addcdiv_(params, exp_avgs, denom, scalars(step_size))
 
 
+def adam_differentiable(
+    params: List[Tensor],
+    grads: List[Tensor],
+    exp_avgs: List[Tensor],
+    exp_avg_sqs: List[Tensor],
+    max_exp_avg_sqs: List[Tensor],
+    steps: List[Tensor],
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    amsgrad: bool,
+    maximize: bool,
+    decoupled: bool,
+) -> None:
+    """``differentiable=True`` (eager only, grad enabled): torch's single-tensor
+    formula in its differentiable form, so autograd sees the same graph."""
+    for i in range(len(params)):
+        param = params[i]
+        grad = grads[i] if not maximize else -grads[i]
+        exp_avg = exp_avgs[i]
+        exp_avg_sq = exp_avg_sqs[i]
+        step_t = steps[i]
+        step_t += 1
+        if weight_decay != 0:
+            if decoupled:
+                param.mul_(1 - lr * weight_decay)
+            else:
+                grad = grad.add(param, alpha=weight_decay)
+        vmax = max_exp_avg_sqs[i] if amsgrad else exp_avg_sq
+        if torch.is_complex(param):
+            grad = torch.view_as_real(grad)
+            exp_avg = torch.view_as_real(exp_avg)
+            exp_avg_sq = torch.view_as_real(exp_avg_sq)
+            if amsgrad:
+                vmax = torch.view_as_real(vmax)
+            param = torch.view_as_real(param)
+        exp_avg.lerp_(grad, 1 - beta1)
+        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        bias_correction1 = 1 - beta1**step_t
+        bias_correction2 = 1 - beta2**step_t
+        step_size_neg = (lr / bias_correction1).neg()
+        bias_correction2_sqrt = bias_correction2.sqrt()
+        if amsgrad:
+            vmax.copy_(torch.maximum(vmax.clone(), exp_avg_sq))
+            denom = (vmax.sqrt() / (bias_correction2_sqrt * step_size_neg)).add_(eps / step_size_neg)
+        else:
+            denom = (exp_avg_sq.sqrt() / (bias_correction2_sqrt * step_size_neg)).add_(eps / step_size_neg)
+        param.addcdiv_(exp_avg.clone(), denom)
+
+
 class AdamCore:
     """Scriptable Adam state and step (slots: step, exp_avg, exp_avg_sq, max_exp_avg_sq)."""
 
@@ -137,24 +190,69 @@ class AdamCore:
         found_inf: Optional[Tensor] = None,
     ) -> None:
         s = self.slots
-        idx, gs = s.select(grads)
-        with torch.no_grad():
-            for b in range(len(idx)):
-                if len(idx[b]) == 0:
-                    continue
-                h = s.hp(b)
-                fused = s.bucket_fused[b]
-                amsgrad = h["amsgrad"] != 0.0
+        # every check first (gradients, grad_scale/found_inf, differentiable), then changes
+        idx, gs, odd = s.select(grads, grad_scale, found_inf,
+                                 "Adam does not support sparse gradients, please consider SparseAdam instead")
+        for b in range(len(idx)):
+            if len(idx[b]) > 0 and s.hp(b).get("differentiable", 0.0) != 0.0:
+                check_differentiable(s.params, idx[b])
+        found_inf = found_inf_flag(found_inf)
+        for b in range(len(idx)):
+            if len(idx[b]) == 0:
+                continue
+            h = s.hp(b)
+            fused = s.bucket_fused[b]
+            amsgrad = h["amsgrad"] != 0.0
+            diff = h.get("differentiable", 0.0) != 0.0
+            with torch.no_grad():
                 for i in s.missing(b, idx[b]):
                     p = s.params[i]
                     vmax = zeros_like(p) if amsgrad else torch.empty(0)
                     s.init(i, [step_tensor(p, fused), zeros_like(p), zeros_like(p), vmax])
-                L = s.lists(b, idx[b])
-                adam(L[0], gs[b], L[2], L[3], L[4] if amsgrad else s.keep([]), L[1],
-                     h["lr"], h["betas0"], h["betas1"], h["eps"], h["weight_decay"],
-                     amsgrad, h["maximize"] != 0.0, h["decoupled_weight_decay"] != 0.0,
-                     fused, grad_scale, found_inf, s.step_base(b, idx[b]))
+            if diff:
+                if not torch.jit.is_scripting():
+                    self._differentiable(b, idx[b], gs[b], h, grad_scale, found_inf)
+            elif odd[b]:
+                fi, fg, si, sg, _pi, _pg = s.partition(b, idx[b], gs[b])
+                with torch.no_grad():
+                    self._apply(b, fi, fg, fused, h, grad_scale, found_inf)
+                    self._apply(b, si, sg, False, h, grad_scale, found_inf)
+            else:
+                with torch.no_grad():
+                    self._apply(b, idx[b], gs[b], fused, h, grad_scale, found_inf)
         s.release()
+
+    def _apply(self, b: int, idx: List[int], grads: List[Tensor], fused: bool, h: Dict[str, float],
+               grad_scale: Optional[Tensor], found_inf: Optional[Tensor]) -> None:
+        if len(idx) == 0:
+            return
+        s = self.slots
+        amsgrad = h["amsgrad"] != 0.0
+        L = s.lists(b, idx)
+        params, exp_avgs, exp_avg_sqs = L[0], L[2], L[3]
+        vmax = L[4] if amsgrad else s.keep([])
+        if params[0].is_complex():  # one dtype per bucket; never fused
+            params, exp_avgs, exp_avg_sqs = s.keep(real_views(params)), s.keep(real_views(exp_avgs)), s.keep(real_views(exp_avg_sqs))
+            grads = real_views(grads)
+            if amsgrad:
+                vmax = s.keep(real_views(vmax))
+        adam(params, grads, exp_avgs, exp_avg_sqs, vmax, L[1],
+             h["lr"], h["betas0"], h["betas1"], h["eps"], h["weight_decay"],
+             amsgrad, h["maximize"] != 0.0, h["decoupled_weight_decay"] != 0.0,
+             fused, grad_scale, found_inf, s.step_base(b, idx))
+
+    @torch.jit.unused
+    def _differentiable(self, b: int, idx: List[int], grads: List[Tensor], h: Dict[str, float],
+                        grad_scale: Optional[Tensor], found_inf: Optional[Tensor]) -> None:
+        if skip_step(found_inf):
+            return
+        grads = unscale(grads, grad_scale)
+        L = self.slots.lists(b, idx)
+        amsgrad = h["amsgrad"] != 0.0
+        with torch.enable_grad():
+            adam_differentiable(L[0], grads, L[2], L[3], L[4] if amsgrad else [], L[1],
+                                h["lr"], h["betas0"], h["betas1"], h["eps"], h["weight_decay"],
+                                amsgrad, h["maximize"] != 0.0, h["decoupled_weight_decay"] != 0.0)
 
 
 class Adam(Optimizer):

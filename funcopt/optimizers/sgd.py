@@ -13,7 +13,7 @@ from torch import Tensor
 
 from .._slots import Slots
 from ..base import Optimizer
-from ._common import skip_step, unscale
+from ._common import check_differentiable, found_inf_flag, skip_step, unscale
 
 
 def sgd(
@@ -71,6 +71,41 @@ def sgd(
     torch._foreach_add_(params, grads, alpha=-lr)
 
 
+def sgd_single(
+    params: List[Tensor],
+    grads: List[Tensor],
+    momentum_buffers: List[Tensor],
+    first_step: bool,
+    lr: float,
+    momentum: float,
+    dampening: float,
+    weight_decay: float,
+    nesterov: bool,
+    maximize: bool,
+) -> None:
+    """torch's single-tensor SGD, in place: sparse COO gradients (a sparse
+    gradient makes a sparse momentum buffer, as in torch.optim) and the
+    differentiable step.  With ``first_step`` the buffers are created from the
+    gradient and stored into ``momentum_buffers`` (empty when ``momentum == 0``)."""
+    for j in range(len(params)):
+        param = params[j]
+        grad = grads[j] if not maximize else -grads[j]
+        if weight_decay != 0:
+            grad = grad.add(param, alpha=weight_decay)
+        if momentum != 0:
+            if first_step:
+                buf = grad.detach().clone()
+                momentum_buffers[j] = buf
+            else:
+                buf = momentum_buffers[j]
+                buf.mul_(momentum).add_(grad, alpha=1 - dampening)
+            if nesterov:
+                grad = grad.add(buf, alpha=momentum)
+            else:
+                grad = buf
+        param.add_(grad, alpha=-lr)
+
+
 class SGDCore:
     """Scriptable SGD state and step (slot: momentum_buffer)."""
 
@@ -84,40 +119,73 @@ class SGDCore:
         found_inf: Optional[Tensor] = None,
     ) -> None:
         s = self.slots
-        idx, gs = s.select(grads)
-        with torch.no_grad():
-            for b in range(len(idx)):
-                if len(idx[b]) == 0:
-                    continue
-                h = s.hp(b)
-                fused = s.bucket_fused[b]
-                momentum = h["momentum"]
-                new = s.missing(b, idx[b])
-                if len(new) > 0 and skip_step(found_inf):
-                    # a skipped first step must leave no buffer behind (the next
-                    # real step is the first); one host read, on first steps only
-                    continue
-                if len(new) > 0:
-                    # parameters on their first step get their buffer from the gradient
-                    gnew: List[Tensor] = []
-                    for i in new:
-                        p = s.params[i]
-                        buf = torch.empty_like(p, memory_format=torch.preserve_format).zero_() if momentum != 0 else torch.empty(0)
-                        s.init(i, [buf])
-                        gnew.append(gs[b][idx[b].index(i)])
-                    self._apply(b, new, gnew, True, fused, h, grad_scale, found_inf)
-                    if len(new) == len(idx[b]):
-                        continue
-                    old: List[int] = []
-                    gold: List[Tensor] = []
-                    for j in range(len(idx[b])):
-                        if idx[b][j] not in new:
-                            old.append(idx[b][j])
-                            gold.append(gs[b][j])
-                    self._apply(b, old, gold, False, fused, h, grad_scale, found_inf)
-                else:
-                    self._apply(b, idx[b], gs[b], False, fused, h, grad_scale, found_inf)
+        # every check first (gradients, grad_scale/found_inf, differentiable), then changes
+        idx, gs, odd = s.select(grads, grad_scale, found_inf, "")
+        for b in range(len(idx)):
+            if len(idx[b]) == 0:
+                continue
+            h = s.hp(b)
+            if h.get("differentiable", 0.0) != 0.0:
+                check_differentiable(s.params, idx[b])
+            if odd[b] and h["weight_decay"] != 0:
+                for g in gs[b]:
+                    if g.is_sparse:  # torch.optim.SGD fails on it too, mid-step
+                        raise RuntimeError(
+                            "funcopt: SGD's weight_decay is not compatible with sparse gradients "
+                            "(torch.optim.SGD: add(sparse, dense) is not supported)"
+                        )
+        found_inf = found_inf_flag(found_inf)
+        for b in range(len(idx)):
+            if len(idx[b]) == 0:
+                continue
+            h = s.hp(b)
+            fused = s.bucket_fused[b]
+            if h.get("differentiable", 0.0) != 0.0:
+                if not torch.jit.is_scripting():
+                    self._single(idx[b], gs[b], h, grad_scale, found_inf, True)
+                continue
+            if odd[b]:
+                fi, fg, si, sg, pi, pg = s.partition(b, idx[b], gs[b])
+                with torch.no_grad():
+                    self._dense(b, fi, fg, fused, h, grad_scale, found_inf)
+                    self._dense(b, si, sg, False, h, grad_scale, found_inf)
+                    self._single(pi, pg, h, grad_scale, found_inf, False)
+            else:
+                with torch.no_grad():
+                    self._dense(b, idx[b], gs[b], fused, h, grad_scale, found_inf)
         s.release()
+
+    def _dense(self, b: int, idx: List[int], gs: List[Tensor], fused: bool, h: Dict[str, float],
+               grad_scale: Optional[Tensor], found_inf: Optional[Tensor]) -> None:
+        if len(idx) == 0:
+            return
+        s = self.slots
+        momentum = h["momentum"]
+        new = s.missing(b, idx)
+        if len(new) > 0 and skip_step(found_inf):
+            # a skipped first step must leave no buffer behind (the next
+            # real step is the first); one host read, on first steps only
+            return
+        if len(new) > 0:
+            # parameters on their first step get their buffer from the gradient
+            gnew: List[Tensor] = []
+            for i in new:
+                p = s.params[i]
+                buf = torch.empty_like(p, memory_format=torch.preserve_format).zero_() if momentum != 0 else torch.empty(0)
+                s.init(i, [buf])
+                gnew.append(gs[idx.index(i)])
+            self._apply(b, new, gnew, True, fused, h, grad_scale, found_inf)
+            if len(new) == len(idx):
+                return
+            old: List[int] = []
+            gold: List[Tensor] = []
+            for j in range(len(idx)):
+                if idx[j] not in new:
+                    old.append(idx[j])
+                    gold.append(gs[j])
+            self._apply(b, old, gold, False, fused, h, grad_scale, found_inf)
+        else:
+            self._apply(b, idx, gs, False, fused, h, grad_scale, found_inf)
 
     def _apply(self, b: int, idx: List[int], grads: List[Tensor], first: bool, fused: bool,
                h: Dict[str, float], grad_scale: Optional[Tensor], found_inf: Optional[Tensor]) -> None:
@@ -126,6 +194,41 @@ class SGDCore:
         sgd(L[0], grads, L[1] if momentum != 0 else self.slots.keep([]), first, h["lr"], momentum,
             h["dampening"], h["weight_decay"], h["nesterov"] != 0.0, h["maximize"] != 0.0, fused,
             grad_scale, found_inf)
+
+    def _single(self, idx: List[int], grads: List[Tensor], h: Dict[str, float], grad_scale: Optional[Tensor],
+                found_inf: Optional[Tensor], differentiable: bool) -> None:
+        """Per tensor (sparse COO gradients; differentiable=True, eager)."""
+        if len(idx) == 0 or skip_step(found_inf):
+            return
+        s = self.slots
+        momentum = h["momentum"]
+        had = [s.has_state[i] for i in idx]
+        for first in [True, False]:
+            params: List[Tensor] = []
+            gl: List[Tensor] = []
+            bufs: List[Tensor] = []
+            sub: List[int] = []
+            for j in range(len(idx)):
+                i = idx[j]
+                if had[j] != first:
+                    sub.append(i)
+                    params.append(s.params[i])
+                    g = grads[j]
+                    gl.append(g if grad_scale is None else g / grad_scale.reshape([]))
+                    if momentum != 0:
+                        bufs.append(s.state[0][i] if not first else torch.empty(0))
+            if len(sub) == 0:
+                continue
+            if differentiable and not torch.jit.is_scripting():
+                with torch.enable_grad():
+                    sgd_single(params, gl, bufs, first, h["lr"], momentum, h["dampening"], h["weight_decay"],
+                               h["nesterov"] != 0.0, h["maximize"] != 0.0)
+            else:
+                sgd_single(params, gl, bufs, first, h["lr"], momentum, h["dampening"], h["weight_decay"],
+                           h["nesterov"] != 0.0, h["maximize"] != 0.0)
+            if first:
+                for j in range(len(sub)):
+                    s.init(sub[j], [bufs[j] if momentum != 0 else torch.empty(0)])
 
 
 class SGD(Optimizer):
