@@ -641,6 +641,15 @@ def _case_toggle() -> Dict[str, Any]:
             opt.param_groups[0]["momentum"] = 0.9
         _dot_step(opt, rrefs, k, ["ps1", "ps2"])
     out["momentum_final"] = _fetch_all(rrefs)
+
+    # an abort that overtakes its prepare (the prepare timed out, queued on the owner):
+    # the late prepare is refused and changes nothing
+    import funcopt.distributed.rpc as frpc
+
+    sid, seq = opt._ids["ps1"], 10**6
+    rpc.rpc_sync("ps1", frpc._shard_abort, args=(sid, seq))
+    out["late_prepare"] = _attempt(lambda: rpc.rpc_sync("ps1", frpc._shard_prepare, args=(sid, seq, {"lr": 123.0})))
+    out["lr_after_late_prepare"] = opt.state_dicts()["ps1"]["param_groups"][0]["lr"]
     return out
 
 
@@ -1324,6 +1333,9 @@ def test_accepted_flag_changes_match_torch_optim(job):
     steps = [(k, ("ps1", "ps2"), {"momentum": 0.9} if k >= 2 else {}) for k in range(4)]
     want = _adam_dot_reference(steps, cls=torch.optim.SGD, lr=0.1)
     _assert_same(got["momentum_final"], want, True, "SGD momentum switched on after 2 steps")
+    kind, msg = got["late_prepare"][:2]
+    assert kind == "RuntimeError" and "aborted" in msg, got["late_prepare"]
+    assert got["lr_after_late_prepare"] == 0.1
 
 
 def _strided_reference(name: str) -> List[torch.Tensor]:
