@@ -653,7 +653,7 @@ def _case_toggle() -> Dict[str, Any]:
     return out
 
 
-STRIDED = ("channels_last", "transposed", "slice", "scalar")
+STRIDED = ("channels_last", "transposed", "slice", "scalar", "transposed_1M")
 
 
 def _strided_value(kind: str) -> torch.Tensor:
@@ -665,6 +665,8 @@ def _strided_value(kind: str) -> torch.Tensor:
         return torch.randn(6, 4, generator=g).t()
     if kind == "slice":
         return torch.randn(7, 9, generator=g)[1:6, 2:8:2]  # a strided view into a larger tensor
+    if kind == "transposed_1M":
+        return torch.randn(1024, 1024, generator=g).t()
     return torch.randn((), generator=g)
 
 
@@ -1365,15 +1367,12 @@ def test_strided_parameters_eager_class(job, name, kind):
     _check_strided(job, name, kind)
 
 
-_CORE_STRIDED = pytest.mark.xfail(reason="core strided fix pending", strict=False)
-
-
-@pytest.mark.parametrize("name,kind", [
-    pytest.param(n, k, marks=_CORE_STRIDED) if k == "slice" else (n, k)
-    for n in STRIDED_CASES if not n.endswith("-eager") for k in STRIDED])
+@pytest.mark.parametrize("kind", STRIDED)
+@pytest.mark.parametrize("name", [n for n in STRIDED_CASES if not n.endswith("-eager")])
 def test_strided_parameters_scripted(job, name, kind):
-    """channels_last 4-D, transposed 2-D, a slice of a larger tensor and a 0-d
-    parameter on the owner, the scripted funcopt path == torch.optim, strides kept."""
+    """channels_last 4-D, transposed 2-D (small and 1M elements), a slice of a
+    larger tensor and a 0-d parameter on the owner: the scripted funcopt path
+    (fused by default) == torch.optim, updated in place, strides kept."""
     _check_strided(job, name, kind)
 
 
