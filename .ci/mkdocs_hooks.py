@@ -10,12 +10,14 @@ Two jobs, both keeping ``mkdocs build --strict`` meaningful:
   that has no docstring.
 * Docstrings are written with reST roles (``:class:`X```) and literal-block
   markers (``Example::``); griffe's Google parser passes both through as
-  text, so the rendered HTML drops the role prefix and the second colon.
+  text, so the rendered HTML drops the role prefix and the second colon, and
+  turns ``.. warning::`` / ``.. note::`` paragraphs into admonitions.
 * Links from a docs page to a file of the repository outside ``docs/``
   (``../examples/train_step_script.py``, which also work when the Markdown is
   read on a code host) are published with the site: the file is copied into
   the site and the link rewritten to it.  A link to a file that does not
-  exist is left alone, so mkdocs still reports it.
+  exist, or to a Markdown file outside ``docs/`` (README.md), is left alone,
+  so mkdocs still reports it.
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ _LINK = re.compile(r"(\]\()([^)\s#]+)((?:#[^)\s]*)?\))")
 _DIRECTIVE = re.compile(r"^:::\s+([\w.]+)\s*$", re.M)
 _ROLE = re.compile(r":(?:class|func|meth|mod|attr|data|exc|obj|math):(<code>)")
 _LITERAL_MARK = re.compile(r"(<p>[^<]*\w)::(</p>)")
+_RST_ADMONITION = re.compile(r"<p>\.\. (warning|note)::\s*(.*?)</p>", re.S)
 _REPO_DIR = "_repo"  # where out-of-docs files land in the site
 
 # docs page src_uri -> {link as written -> repo-relative target}
@@ -52,7 +55,8 @@ def _outside_links(page_uri: str, text: str, docs_dir: str, root: str) -> Dict[s
         target = os.path.normpath(os.path.join(page_dir, link))
         inside_docs = os.path.commonpath([target, docs_dir]) == docs_dir
         inside_repo = os.path.commonpath([target, root]) == root
-        if not inside_docs and inside_repo and os.path.isfile(target):
+        # a Markdown file outside docs/ would become a page whose own links break: not published
+        if not inside_docs and inside_repo and os.path.isfile(target) and not target.endswith(".md"):
             found[link] = os.path.relpath(target, root).replace(os.sep, "/")
     return found
 
@@ -93,7 +97,10 @@ def on_page_markdown(markdown: str, page: Any, config: Any, files: Files) -> str
 
 
 def on_page_content(html: str, page: Any, config: Any, files: Files) -> str:
-    return _LITERAL_MARK.sub(r"\1:\2", _ROLE.sub(r"\1", html))
+    html = _LITERAL_MARK.sub(r"\1:\2", _ROLE.sub(r"\1", html))
+    return _RST_ADMONITION.sub(
+        lambda m: f'<div class="admonition {m.group(1)}"><p class="admonition-title">{m.group(1).title()}</p>'
+                  f"<p>{m.group(2)}</p></div>", html)
 
 
 def _members(obj: Any) -> Iterator[Any]:

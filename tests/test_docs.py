@@ -8,16 +8,19 @@
 * The snippets of ``docs/migration.md`` and ``docs/limits.md`` run:
   a fenced ``python`` block preceded by
 
-  - ``<!-- doctest: run -->`` runs in a fresh interpreter and must exit 0;
-  - ``<!-- doctest: run world_size=N -->`` runs in N processes with the
-    environment torchrun sets (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
-    ``MASTER_ADDR``, ``MASTER_PORT``); every process must exit 0;
+  - ``<!-- doctest: run -->`` must run without an exception;
+  - ``<!-- doctest: run world_size=N -->`` must run without an exception in N
+    processes with the environment torchrun sets (``RANK``, ``WORLD_SIZE``,
+    ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``);
   - ``<!-- doctest: raises -->`` must raise, and the error must be the one the
     page shows in the ``text`` block right after the snippet (its first line,
     ``Type: message``; ``...`` stands for any text).
 
-  The snippets of one page run in order in one temporary directory (a
-  "before" snippet may write a checkpoint the "after" snippet loads).
+  Each snippet is a file run as ``__main__``; the single-process snippets of
+  a page run in order in one interpreter, the N-process ones in one set of N
+  (one torch import each, not one per snippet), all in one temporary
+  directory (a "before" snippet may write a checkpoint the "after" snippet
+  loads).
 
 The mkdocs build itself (``mkdocs build --strict``) is ``.ci/docs``.
 """
