@@ -17,8 +17,8 @@
     ``Type: message``; ``...`` stands for any text).
 
   Each snippet is a file run as ``__main__``; the single-process snippets of
-  a page run in order in one interpreter, the N-process ones in one set of N
-  (one torch import each, not one per snippet), all in one temporary
+  all pages run in order in one interpreter, the N-process ones in one set of
+  N (one torch import each, not one per snippet), all in one temporary
   directory (a "before" snippet may write a checkpoint the "after" snippet
   loads).
 
@@ -227,11 +227,11 @@ def _run_ranks(world: int, jobs: list, cwd: Path, tag: str, timeout: float) -> T
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("page", _SNIPPET_PAGES)
-def test_snippets(page: str, tmp_path: Path):
-    snippets = _snippets(page)
+def test_snippets(tmp_path: Path):
+    """Every page's snippets, in page order; all pages in one run per world size."""
+    snippets = [(page,) + sn for page in _SNIPPET_PAGES for sn in _snippets(page)]
     groups: Dict[int, list] = {}
-    for i, (kind, world, code, expected, line) in enumerate(snippets):
+    for i, (page, kind, world, code, expected, line) in enumerate(snippets):
         script = tmp_path / f"snippet_{i}.py"   # a file: TorchScript reads the source of what it compiles
         script.write_text(code)
         port = str(_free_port()) if world else ""
@@ -241,7 +241,7 @@ def test_snippets(page: str, tmp_path: Path):
         for rank in range(world):
             res = results[rank] or []
             for n, (i, _) in enumerate(items):
-                kind, _, _, expected, line = snippets[i]
+                page, kind, _, _, expected, line = snippets[i]
                 where = f"docs/{page}:{line} (rank {rank} of {world})"
                 assert n < len(res), f"{where}: did not finish (exit {codes[rank]}):\n{logs[rank][-4000:]}"
                 r = res[n]
@@ -262,3 +262,17 @@ def test_snippets_found():
         assert _snippets(page), f"docs/{page}: no <!-- doctest: ... --> snippets"
     text = (DOCS / "migration.md").read_text()
     assert text.count("<!-- doctest:") == len(_snippets("migration.md")), "a doctest marker not followed by ```python"
+
+
+def test_docs_extra_matches_ci_pins():
+    """``.ci/docs`` installs exactly the pinned ``docs`` extra of pyproject.toml."""
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        pytest.skip("tomllib (Python 3.11+) is needed to read pyproject.toml")
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"].get("optional-dependencies", {})
+    if "docs" not in extras:
+        pytest.skip("pyproject.toml has no 'docs' extra yet")
+    ci = set(re.findall(r'"([A-Za-z0-9_.\-\[\]]+==[^"]+)"', (ROOT / ".ci" / "docs").read_text()))
+    assert ci, ".ci/docs pins nothing"
+    assert set(extras["docs"]) == ci, f"pyproject docs extra {sorted(extras['docs'])} != .ci/docs pins {sorted(ci)}"
