@@ -1,8 +1,12 @@
 """Scripting helpers.
 
-Nothing is scripted at import time.  ``torch.jit.script`` warns a
-``DeprecationWarning`` in torch 2.13; we silence exactly that warning, only
-around our own calls, and nothing else.
+Nothing is scripted at import time.  ``torch.jit.script`` warns that
+TorchScript is deprecated (a ``DeprecationWarning`` in torch 2.13, a
+``FutureWarning`` from 2.14 on); we silence exactly that notice, only around
+our own calls, and nothing else (see :mod:`funcopt._compat`, the one place
+that knows how torch releases differ).  Where a torch release refuses to
+script, :func:`script` raises :class:`TorchScriptUnavailableError` and leaves
+the optimizer as it was: eager, and compilable with ``torch.compile``.
 """
 from __future__ import annotations
 
@@ -12,21 +16,32 @@ from typing import Any, Iterator, TypeVar
 
 import torch
 
-T = TypeVar("T")
+from ._compat import TorchScriptUnavailableError, ignore_jit_deprecation, require_scripting
 
-_TORCH_JIT_DEPRECATION = r"`torch\.jit\.(script|save|load|trace|interface)` is deprecated"
+__all__ = ["TorchScriptUnavailableError", "quiet_jit", "script", "script_object"]
+
+T = TypeVar("T")
 
 
 @contextlib.contextmanager
 def quiet_jit() -> Iterator[None]:
-    """Silence torch's own TorchScript deprecation warning, nothing else."""
+    """Silence torch's own TorchScript deprecation notice, nothing else.
+
+    Works on every supported torch (the notice's category changed in 2.14).
+    Every other warning, funcopt's own included, still surfaces.
+    """
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=_TORCH_JIT_DEPRECATION, category=DeprecationWarning)
+        ignore_jit_deprecation()
         yield
 
 
 def script_object(obj: Any) -> Any:
-    """``torch.jit.script`` of a module, function or class instance, quietly."""
+    """``torch.jit.script`` of a module, function or class instance, quietly.
+
+    Raises:
+      TorchScriptUnavailableError: this torch refuses to script.
+    """
+    require_scripting("funcopt: torch.jit.script")
     with quiet_jit():
         return torch.jit.script(obj)
 
@@ -39,6 +54,11 @@ def script(opt: T) -> T:
     the TorchScript interpreter, without the GIL, over the same parameter and
     state tensors.
 
+    Raises:
+      TorchScriptUnavailableError: this torch (or Python) refuses to script;
+        ``opt`` is left unchanged and keeps working eagerly and under
+        ``torch.compile``.
+
     Example::
 
         >>> import torch, funcopt
@@ -48,5 +68,6 @@ def script(opt: T) -> T:
         >>> bool((w < 0).all())
         True
     """
+    require_scripting(f"funcopt.script({type(opt).__name__})")
     opt._script()  # type: ignore[attr-defined]
     return opt
