@@ -57,8 +57,8 @@ ROOT = Path(__file__).resolve().parents[2]
 RPC_TIMEOUT = 20.0       # the agent's default timeout (every RPC not given its own)
 FAULT_TIMEOUT = 3.0      # DistributedOptimizer(rpc_timeout=...) in the fault cases
 FAULT_MARGIN = 5.0       # "within the timeout": elapsed < FAULT_TIMEOUT + FAULT_MARGIN
-SPAWN_DEADLINE = 170.0   # a whole job; the processes are killed after it
-pytestmark = pytest.mark.timeout(240)  # every test; the first of a job includes its spawn
+SPAWN_DEADLINE = 240.0   # a whole job; the processes are killed after it (generous: a contended 2-core machine)
+pytestmark = pytest.mark.timeout(300)  # every test; the first of a job includes its spawn
 
 # Where the same kernel cannot run (no fused kernel for the class on CPU), the
 # remote run is compared with torch.optim's default implementation within this
@@ -653,7 +653,7 @@ def _case_toggle() -> Dict[str, Any]:
     return out
 
 
-STRIDED = ("channels_last", "transposed", "slice", "scalar", "transposed_1M")
+STRIDED = ("channels_last", "transposed", "slice", "scalar", "transposed_1M")  # 1M: Adam only (time)
 
 
 def _strided_value(kind: str) -> torch.Tensor:
@@ -678,9 +678,13 @@ def _new_strided(kind: str) -> torch.Tensor:
     return _strided_value(kind).requires_grad_()
 
 
+def _strided_kinds(name: str) -> tuple:
+    return STRIDED if name == "Adam" else STRIDED[:-1]
+
+
 def _strided_loss(params: List[torch.Tensor], k: int) -> torch.Tensor:
     return sum(((p * _strided_weights(kind)) * (1.0 + 0.5 * k)).sum() + (p * p).sum()
-               for p, kind in zip(params, STRIDED))
+               for p, kind in zip(params, STRIDED))  # zip: as many layouts as params
 
 
 def _remote_strided_loss(rrefs: List[rpc.RRef], k: int) -> torch.Tensor:
@@ -707,7 +711,7 @@ STRIDED_STEPS = 3
 
 def _case_strided(name: str) -> Dict[str, Any]:
     cls, kw = STRIDED_CASES[name]
-    rrefs = [rpc.remote("ps1", _new_strided, args=(kind,)) for kind in STRIDED]
+    rrefs = [rpc.remote("ps1", _new_strided, args=(kind,)) for kind in _strided_kinds(name)]
     opt = DistributedOptimizer(cls, rrefs, **kw)
     for k in range(STRIDED_STEPS):
         with dist_autograd.context() as ctx:
@@ -1340,9 +1344,10 @@ def test_accepted_flag_changes_match_torch_optim(job):
     assert got["lr_after_late_prepare"] == 0.1
 
 
+@functools.lru_cache(maxsize=None)
 def _strided_reference(name: str) -> List[torch.Tensor]:
     cls, kw = STRIDED_CASES[name]
-    params = [_new_strided(kind) for kind in STRIDED]
+    params = [_new_strided(kind) for kind in _strided_kinds(name)]
     opt = cls(params, **kw)  # torch.optim's default path
     for k in range(STRIDED_STEPS):
         opt.zero_grad(set_to_none=True)
@@ -1361,14 +1366,13 @@ def _check_strided(job: Any, name: str, kind: str) -> None:
     torch.testing.assert_close(value, ref, rtol=RTOL, atol=ATOL, msg=lambda m: f"{name} {kind}: {m}")
 
 
-@pytest.mark.parametrize("kind", STRIDED)
-@pytest.mark.parametrize("name", [n for n in STRIDED_CASES if n.endswith("-eager")])
+@pytest.mark.parametrize("name,kind", [(n, k) for n in STRIDED_CASES if n.endswith("-eager") for k in _strided_kinds(n)])
 def test_strided_parameters_eager_class(job, name, kind):
     _check_strided(job, name, kind)
 
 
-@pytest.mark.parametrize("kind", STRIDED)
-@pytest.mark.parametrize("name", [n for n in STRIDED_CASES if not n.endswith("-eager")])
+@pytest.mark.parametrize("name,kind", [(n, k) for n in STRIDED_CASES if not n.endswith("-eager")
+                                       for k in _strided_kinds(n)])
 def test_strided_parameters_scripted(job, name, kind):
     """channels_last 4-D, transposed 2-D (small and 1M elements), a slice of a
     larger tensor and a 0-d parameter on the owner: the scripted funcopt path
