@@ -5,6 +5,10 @@ Update rule (``g`` negated when ``maximize``; ``g += weight_decay * p``)::
     clr  = lr / (1 + (t - 1) * lr_decay)
     s_t  = s_{t-1} + g * g                 # s_0 = initial_accumulator_value
     p   -= clr * g / (sqrt(s_t) + eps)
+
+Sparse COO gradients update only the rows they hold (torch's single-tensor
+path; refused with weight decay, as in torch); complex parameters are updated
+through real views (``s_0 = complex(init, init)``), as in torch.
 """
 from typing import Any, Dict, List, Optional
 
@@ -233,7 +237,8 @@ class Adagrad(Optimizer):
       eps: added to the denominator (default ``1e-10``).
       foreach, fused: torch's switches; ``fused=True`` means ``impl="fused"`` (CPU only in torch 2.13).
       maximize: ascend instead of descend (default ``False``).
-      differentiable: must be ``False``.
+      differentiable: run the step with autograd (eager only, torch's single-tensor
+        formula, as ``torch.optim``; ``funcopt.script`` refuses it).
       impl: ``"auto"`` | ``"foreach"`` | ``"fused"``.
 
     Example::

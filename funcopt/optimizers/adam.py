@@ -9,6 +9,9 @@ Update rule for each parameter :math:`p` with gradient :math:`g` at step :math:`
     v_t = beta2 * v_{t-1} + (1 - beta2) * g * g
     vmax_t = max(vmax_{t-1}, v_t)                 # amsgrad only
     p -= lr / (1 - beta1^t) * m_t / (sqrt(v_t or vmax_t) / sqrt(1 - beta2^t) + eps)
+
+Complex parameters are updated through real views (``torch.view_as_real``), as
+in torch; sparse gradients are refused with torch's error.
 """
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -269,7 +272,8 @@ class Adam(Optimizer):
         ``impl="fused"``, ``foreach=True`` means ``impl="foreach"``.
       maximize: ascend instead of descend (default ``False``).
       capturable: accepted and recorded for state-dict compatibility.
-      differentiable: must be ``False``.
+      differentiable: run the step with autograd (eager only, torch's single-tensor
+        formula, as ``torch.optim``; ``funcopt.script`` refuses it).
       decoupled_weight_decay: AdamW's decay (default ``False``).
       impl: ``"auto"`` (fused ATen kernel where it exists for the device and
         dtype, else foreach), ``"foreach"`` or ``"fused"``.

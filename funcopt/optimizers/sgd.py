@@ -5,6 +5,11 @@ Update rule (``g`` negated when ``maximize``; ``g += weight_decay * p``)::
     b_1 = g ;  b_t = momentum * b_{t-1} + (1 - dampening) * g     # momentum != 0
     d   = g + momentum * b_t  (nesterov)  |  b_t  |  g (no momentum)
     p  -= lr * d
+
+Sparse COO gradients (``nn.Embedding(sparse=True)``) take torch's single-tensor
+path, as in torch.optim (the momentum buffer of a sparse first step is
+sparse; weight decay is refused with them); complex parameters need nothing
+special (the update is linear).
 """
 from typing import Any, Dict, List, Optional
 
@@ -243,7 +248,8 @@ class SGD(Optimizer):
       nesterov: Nesterov momentum (default ``False``; needs momentum and zero dampening).
       maximize: ascend instead of descend (default ``False``).
       foreach, fused: torch's switches; ``fused=True`` means ``impl="fused"``.
-      differentiable: must be ``False``.
+      differentiable: run the step with autograd (eager only, torch's single-tensor
+        formula, as ``torch.optim``; ``funcopt.script`` refuses it).
       impl: ``"auto"`` | ``"foreach"`` | ``"fused"``.
 
     Example::
