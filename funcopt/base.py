@@ -286,6 +286,7 @@ class Optimizer(torch.optim.Optimizer):
         self.torch_class([probe], **kwargs)
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        """Add a param group, as ``torch.optim.Optimizer.add_param_group``."""
         params = param_group.get("params")
         if params is not None and not isinstance(params, (Tensor, set)):
             param_group = dict(param_group, params=list(params))  # a generator is read once
@@ -778,6 +779,7 @@ class Optimizer(torch.optim.Optimizer):
             return new_groups, staged
 
     def commit_state(self, staged: Tuple[List[Dict[str, Any]], Dict[Any, Any]]) -> None:
+        """Install what :meth:`stage_state` checked; cannot fail."""
         new_groups, state = staged
         with self._lock:
             for g, new in enumerate(new_groups):

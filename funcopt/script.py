@@ -69,5 +69,10 @@ def script(opt: T) -> T:
         True
     """
     require_scripting(f"funcopt.script({type(opt).__name__})")
+    if not callable(getattr(opt, "_script", None)):
+        raise TypeError(
+            f"funcopt.script expects a funcopt optimizer (funcopt.SGD, funcopt.Adam, ...), got "
+            f"{type(opt).__module__}.{type(opt).__name__}; build the funcopt class of the same name instead"
+        )
     opt._script()  # type: ignore[attr-defined]
     return opt

@@ -210,6 +210,7 @@ def entries_equal(a: Any, b: Any) -> bool:
 
 
 def iter_params(param_groups: Iterable[Mapping[str, Any]]) -> List[Tensor]:
+    """Every parameter of ``param_groups``, in order."""
     return [p for g in param_groups for p in g["params"]]
 
 

@@ -72,3 +72,9 @@ def test_scalar_type_table_matches_torchscript_numbering():
             if dtype in (torch.qint8, torch.quint8, torch.qint32, torch.complex32):
                 continue  # no plain zeros() for quantized dtypes; complex32 warns it is experimental
             assert number(torch.zeros(1, dtype=dtype)) == str(k), dtype
+
+
+def test_script_of_a_torch_optimizer_says_what_to_pass():
+    opt = torch.optim.RMSprop([torch.zeros(2, requires_grad=True)])
+    with pytest.raises(TypeError, match=r"expects a funcopt optimizer .* got torch\.optim\.rmsprop\.RMSprop"):
+        funcopt.script(opt)

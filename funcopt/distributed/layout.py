@@ -27,6 +27,8 @@ PARTITIONS = ("flat", "greedy")
 
 @dataclass(frozen=True)
 class Segment:
+    """One contiguous element range of one parameter that one rank owns."""
+
     param: int  # global index, in param_groups order
     start: int  # first element within the flattened parameter
     length: int
@@ -51,6 +53,8 @@ class Space:
 
 @dataclass
 class Layout:
+    """Which rank owns which element ranges of every parameter, per dtype space."""
+
     world: int
     partition: str
     spaces: Dict[str, Space]
@@ -61,6 +65,7 @@ class Layout:
         return sorted(segs, key=lambda s: (s.param, s.start))
 
     def state_elements(self, rank: int) -> int:
+        """Number of parameter elements ``rank`` owns (its share of elementwise state)."""
         return sum(s.length for s in self.segments(rank))
 
 

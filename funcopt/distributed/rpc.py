@@ -366,10 +366,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
       optimizer_class: e.g. ``funcopt.Adam``, ``torch.optim.Adam``, any
         ``torch.optim.Optimizer`` subclass, or a registry name (``"Adam"``).
       params_rref: RRefs to the parameters (on any workers, the caller's too).
-      *args, **kwargs: the optimizer's hyperparameters.
+      *args: the optimizer's positional hyperparameters.
       rpc_timeout: seconds to wait for a worker (keyword only; default: the
         RPC agent's timeout).  A worker that is dead or does not answer in
         time makes the call raise ``RuntimeError`` naming it.
+      **kwargs: the optimizer's keyword hyperparameters.
 
     Usage::
 
@@ -390,8 +391,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
        trainers' steps is whatever order they arrive in.
     """
 
-    def __init__(self, optimizer_class: Any, params_rref: Sequence[rpc.RRef], *args: Any, **kwargs: Any):
-        self.rpc_timeout: float = kwargs.pop("rpc_timeout", UNSET_RPC_TIMEOUT)
+    def __init__(self, optimizer_class: Any, params_rref: Sequence[rpc.RRef], *args: Any,
+                 rpc_timeout: float = UNSET_RPC_TIMEOUT, **kwargs: Any):
+        self.rpc_timeout: float = rpc_timeout
         self.spec: Optional[registry.AlgorithmSpec]
         try:
             self.spec = registry.get(optimizer_class)

@@ -235,7 +235,8 @@ class Adagrad(Optimizer):
       weight_decay: L2 penalty (default ``0``).
       initial_accumulator_value: starting value of the sum of squares (default ``0``).
       eps: added to the denominator (default ``1e-10``).
-      foreach, fused: torch's switches; ``fused=True`` means ``impl="fused"`` (CPU only in torch 2.13).
+      foreach: torch's switch; ``foreach=True`` means ``impl="foreach"``.
+      fused: torch's switch; ``fused=True`` means ``impl="fused"`` (CPU only in torch 2.13).
       maximize: ascend instead of descend (default ``False``).
       differentiable: run the step with autograd (eager only, torch's single-tensor
         formula, as ``torch.optim``; ``funcopt.script`` refuses it).

@@ -268,8 +268,8 @@ class Adam(Optimizer):
       eps: added to the denominator (default ``1e-8``).
       weight_decay: L2 penalty added to the gradient (default ``0``).
       amsgrad: use the running maximum of ``v`` (default ``False``).
-      foreach, fused: torch's implementation switches; ``fused=True`` means
-        ``impl="fused"``, ``foreach=True`` means ``impl="foreach"``.
+      foreach: ``foreach=True`` means ``impl="foreach"``.
+      fused: ``fused=True`` means ``impl="fused"``.
       maximize: ascend instead of descend (default ``False``).
       capturable: accepted and recorded for state-dict compatibility.
       differentiable: run the step with autograd (eager only, torch's single-tensor

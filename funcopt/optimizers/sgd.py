@@ -247,7 +247,8 @@ class SGD(Optimizer):
       weight_decay: L2 penalty (default ``0``).
       nesterov: Nesterov momentum (default ``False``; needs momentum and zero dampening).
       maximize: ascend instead of descend (default ``False``).
-      foreach, fused: torch's switches; ``fused=True`` means ``impl="fused"``.
+      foreach: torch's switch; ``foreach=True`` means ``impl="foreach"``.
+      fused: torch's switch; ``fused=True`` means ``impl="fused"``.
       differentiable: run the step with autograd (eager only, torch's single-tensor
         formula, as ``torch.optim``; ``funcopt.script`` refuses it).
       impl: ``"auto"`` | ``"foreach"`` | ``"fused"``.
