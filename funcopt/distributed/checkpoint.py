@@ -44,6 +44,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 from torch.profiler import record_function
 
+from .. import state_format
 from . import _comm
 from ._comm import DistributedError
 
@@ -122,13 +123,7 @@ def _describe(opt: Any) -> Dict[str, Any]:
 
 def _torch_groups(opt: Any) -> List[Dict[str, Any]]:
     """``param_groups`` in torch.optim's state-dict form (as ``consolidate_state_dict`` gives)."""
-    groups, start = [], 0
-    for g in opt.param_groups:
-        packed = {k: v for k, v in g.items() if k != "params"}
-        packed["params"] = list(range(start, start + len(g["params"])))
-        start += len(g["params"])
-        groups.append(packed)
-    return groups
+    return state_format.pack_groups(opt.param_groups)
 
 
 class _Meshes:

@@ -34,7 +34,7 @@ from torch import Tensor
 from torch.distributed.rpc.constants import UNSET_RPC_TIMEOUT
 from torch.profiler import record_function
 
-from .. import registry
+from .. import registry, state_format
 from ..script import quiet_jit, script, script_object
 
 logger = logging.getLogger(__name__)
@@ -82,7 +82,7 @@ def _scripted_apply(core: Any, params: List[Tensor]) -> Any:
 
 def _hyper_of(opt: Any) -> Dict[str, Any]:
     """The hyperparameters of ``opt``'s first group, if they can travel by RPC."""
-    group = {k: v for k, v in opt.param_groups[0].items() if k not in ("params", "param_names")}
+    group = state_format.hyperparameters(opt.param_groups[0])
     try:
         pickle.dumps(group)
     except Exception:
@@ -525,6 +525,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._wait(w, [f], "loading its state")
         # the trainer's hyperparameters follow what the workers now hold
         loaded = state_dicts[self.workers[0]]["param_groups"][0]
-        hyper = {k: v for k, v in loaded.items() if k not in ("params", "param_names")}
+        hyper = state_format.hyperparameters(loaded)
         self.param_groups[0].update(hyper)
         self._sent = {k: v for k, v in self.param_groups[0].items() if k != "params"}

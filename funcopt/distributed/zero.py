@@ -17,13 +17,14 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.profiler import record_function
 
 from .. import registry
+from .. import state_format
 from ..script import script
 from . import _comm, _pieces, checkpoint
 from ._sync import ParamSyncMixin
 from ._zero2 import Zero2Mixin
 from .layout import PARTITIONS, Layout, Segment, make_layout
 
-_NOT_HYPER = ("params", "param_names")
+_NOT_HYPER = state_format.NON_HYPER
 
 
 def _norm(v: Any) -> Any:
@@ -449,13 +450,7 @@ class ZeroRedundancyOptimizer(Zero2Mixin, ParamSyncMixin, torch.optim.Optimizer,
 
     def _full_state(self, pieces: List[_pieces.Piece]) -> Dict[str, Any]:
         state = _pieces.full_state(pieces, [tuple(p.shape) for p in self._params()])
-        groups, start = [], 0
-        for g in self.param_groups:
-            packed = {k: v for k, v in g.items() if k != "params"}
-            packed["params"] = list(range(start, start + len(g["params"])))
-            start += len(g["params"])
-            groups.append(packed)
-        return {"state": state, "param_groups": groups}
+        return {"state": state, "param_groups": state_format.pack_groups(self.param_groups)}
 
     def save_sharded(self, path: str) -> None:
         """Each rank writes its own shard under directory ``path``.  Collective.
