@@ -799,7 +799,8 @@ class Optimizer(torch.optim.Optimizer):
     def _convert_entry(self, sid: Any, p: Tensor, entry: Dict[str, Any], group: Dict[str, Any]) -> List[Tensor]:
         fused = bool(group.get("fused")) or self._uses_fused(p)
         slots = list(zip([n for n, _ in self.slots], self._present(group)))
-        return state_format.convert_entry(type(self).__name__, sid, p, entry, slots, fused)
+        return state_format.convert_entry(type(self).__name__, sid, p, entry, slots, fused,
+                                          keep=bool(group.get("differentiable")))
 
     def _uses_fused(self, p: Tensor) -> bool:
         return self.impl != "foreach" and p.device.type in self.fused_devices and p.dtype in _FUSED_DTYPES

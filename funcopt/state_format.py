@@ -149,7 +149,7 @@ def merge_group(saved: Mapping[str, Any], group: Mapping[str, Any], defaults: Ma
 
 
 def convert_entry(owner: str, sid: Any, p: Tensor, entry: Any, slots: Sequence[Tuple[str, bool]],
-                  step_on_param_device: bool) -> List[Tensor]:
+                  step_on_param_device: bool, keep: bool = False) -> List[Tensor]:
     """One parameter's saved state as tensors in slot order (``torch.empty(0)``
     for absent slots); raises ``ValueError`` naming the bad item.
 
@@ -158,7 +158,10 @@ def convert_entry(owner: str, sid: Any, p: Tensor, entry: Any, slots: Sequence[T
     ``step_on_param_device`` (fused kernels).  Other state must have the
     parameter's shape and a floating (or, for complex parameters, complex)
     dtype; it is copied into a tensor laid out like the parameter, with the
-    parameter's dtype and device (torch.optim also casts floating state)."""
+    parameter's dtype and device (torch.optim also casts floating state).
+    ``keep`` (``differentiable=True`` groups): a tensor that already has the
+    parameter's dtype, device and strides is used as it is, so gradients flow
+    through state the caller supplied, as in torch."""
     expected = {name for name, on in slots if on}
     if not isinstance(entry, Mapping) or set(entry) != expected:
         got = sorted(map(str, entry)) if isinstance(entry, Mapping) else type(entry).__name__
@@ -195,6 +198,9 @@ def convert_entry(owner: str, sid: Any, p: Tensor, entry: Any, slots: Sequence[T
                 f"{owner}.load_state_dict: '{name}' of parameter {sid!r} has dtype {v.dtype}, "
                 f"parameter has {p.dtype}"
             )
+        if keep and v.dtype == p.dtype and v.device == p.device and v.stride() == p.stride():
+            vals.append(v)
+            continue
         # laid out like the parameter (a fused kernel reads both as flat memory)
         out = torch.empty_like(p, memory_format=torch.preserve_format)
         out.copy_(v.detach())

@@ -100,8 +100,6 @@ def _diff_fn(p, grad, state, opt_class, kwargs, *ignored):
     return (p,) + tuple(v for v in opt.state[p].values() if isinstance(v, torch.Tensor) and v.requires_grad)
 
 
-@pytest.mark.xfail(strict=True, reason="state written through opt.state is copied detached (funcopt/state_format.py); "
-                                       "a differentiable group must keep the caller's tensors")
 def test_gradcheck_through_state_set_by_the_user():
     gen = torch.Generator().manual_seed(2)
     p = torch.rand(5, generator=gen, dtype=torch.float64, requires_grad=True)
