@@ -8,13 +8,13 @@ when a step is refused.
 """
 from __future__ import annotations
 
-import warnings
 
 import numpy as np
 import pytest
 import torch
 
 import funcopt
+from funcopt.script import quiet_jit
 from funcopt import base
 from funcopt.registry import REGISTRY
 
@@ -66,8 +66,7 @@ def test_scalar_type_table_matches_torchscript_numbering():
     def number(x: torch.Tensor) -> str:
         return str(x.dtype)
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
+    with quiet_jit():
         for k, dtype in enumerate(base._SCALAR_TYPES):
             if dtype in (torch.qint8, torch.quint8, torch.qint32, torch.complex32):
                 continue  # no plain zeros() for quantized dtypes; complex32 warns it is experimental

@@ -14,12 +14,12 @@ import copy
 import io
 import pickle
 import threading
-import warnings
 
 import pytest
 import torch
 
 import funcopt
+from funcopt.script import quiet_jit
 from funcopt.registry import REGISTRY
 
 ALGOS = list(REGISTRY)
@@ -327,8 +327,7 @@ def test_script_from_many_threads_leaves_one_consistent_optimizer(name):
             errors.append(e)
 
     ts = [threading.Thread(target=work) for _ in range(4)]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
+    with quiet_jit():
         for th in ts:
             th.start()
         for th in ts:
