@@ -140,8 +140,16 @@ def apply_events_before(case: Dict[str, Any], model: Net, opt: Any, start: int) 
 
 def train(case: Dict[str, Any], model: Net, opt: Any, steps: range, rank: int = 0, world: int = 1,
           net: Any = None, reduce: Optional[Callable[[], None]] = None, sched: Any = None,
-          after_backward: Optional[Callable[[int], None]] = None) -> None:
+          after_backward: Optional[Callable[[int], None]] = None, ref_world: int = 1) -> None:
+    """``ref_world`` > 1 (single process only): the gradient of each step is
+    what ``ref_world`` ranks make of it (each rank's mean-loss gradient over
+    its slice of the batch, averaged), not the full batch's.  Mathematically
+    the same; in floating point Adam turns the rounding difference of a
+    near-zero gradient element into an lr-sized one, so a distributed run is
+    compared with the single-process run of the same arithmetic."""
     net = net if net is not None else model
+    if ref_world > 1:
+        assert world == 1 and reduce is None
     for s in steps:
         if s in case["flip"]:
             layer, on = case["flip"][s]
@@ -152,9 +160,12 @@ def train(case: Dict[str, Any], model: Net, opt: Any, steps: range, rank: int = 
         x, y = local_slice(x, rank, world), local_slice(y, rank, world)
         model.zero_grad(set_to_none=True)
         opt.zero_grad(set_to_none=True)
-        for m in range(case["accum"]):  # gradient accumulation: several backward calls per step
-            xm, ym = local_slice(x, m, case["accum"]), local_slice(y, m, case["accum"])
-            torch.nn.functional.mse_loss(net(xm), ym).backward()
+        if ref_world > 1:
+            _ranks_backward(case, model, net, x, y, ref_world)
+        else:
+            for m in range(case["accum"]):  # gradient accumulation: several backward calls per step
+                xm, ym = local_slice(x, m, case["accum"]), local_slice(y, m, case["accum"])
+                torch.nn.functional.mse_loss(net(xm), ym).backward()
         if reduce is not None:
             reduce()
         if after_backward is not None:
@@ -162,6 +173,26 @@ def train(case: Dict[str, Any], model: Net, opt: Any, steps: range, rank: int = 
         opt.step()
         if sched is not None:
             sched.step()
+
+
+def _ranks_backward(case: Dict[str, Any], model: Net, net: Any, x: torch.Tensor, y: torch.Tensor,
+                    world: int) -> None:
+    """p.grad += sum over ranks r of (rank r's gradient / world), per micro-batch (DDP's order)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    for m in range(case["accum"]):
+        total: List[Optional[torch.Tensor]] = [None] * len(params)
+        for r in range(world):
+            xr, yr = local_slice(x, r, world), local_slice(y, r, world)
+            xm, ym = local_slice(xr, m, case["accum"]), local_slice(yr, m, case["accum"])
+            gs = torch.autograd.grad(torch.nn.functional.mse_loss(net(xm), ym), params, allow_unused=True)
+            for i, g in enumerate(gs):
+                if g is not None:
+                    g = g / world
+                    total[i] = g if total[i] is None else total[i] + g
+        with torch.no_grad():
+            for p, g in zip(params, total):
+                if g is not None:
+                    p.grad = g if p.grad is None else p.grad + g
 
 
 def torch_class(case: Dict[str, Any]) -> type:
@@ -173,15 +204,24 @@ def zero_class(case: Dict[str, Any]) -> type:
     return spec.torch_cls if case["cls"] == "torch" else spec.cls
 
 
-def reference(case: Dict[str, Any]) -> Dict[str, Any]:
-    """Single process, full batch, torch.optim: params and state after STEPS and STEPS+CONT steps."""
+def reference(case: Dict[str, Any], world: int = 1) -> Dict[str, Any]:
+    """Single process, torch.optim: params and state after STEPS and STEPS+CONT steps; the
+    gradients of the full batch, or (``world`` > 1) as ``world`` DDP ranks average them."""
     model = make_model(case)
-    opt = torch_class(case)(optimizer_params(case, model), **case["hyper"])
+    # world > 1: the kernel the ranks run too (funcopt's default: torch's fused kernel on the CPU)
+    kernel = dict(fused=True) if world > 1 else {}
+    opt = torch_class(case)(optimizer_params(case, model), **case["hyper"], **kernel)
     sched = torch.optim.lr_scheduler.StepLR(opt, *case["steplr"]) if case["steplr"] else None
-    train(case, model, opt, range(0, STEPS), sched=sched)
-    out = dict(p10=snapshot(model.parameters()), sd10=copy.deepcopy(opt.state_dict()))
-    train(case, model, opt, range(STEPS, STEPS + CONT), sched=sched)
-    out.update(p13=snapshot(model.parameters()), sd13=copy.deepcopy(opt.state_dict()))
+    def sd() -> Dict[str, Any]:  # as the user built it: the kernel switch is not part of the comparison
+        out = copy.deepcopy(opt.state_dict())
+        for g in out["param_groups"]:
+            g.update({k: None for k in kernel})
+        return out
+
+    train(case, model, opt, range(0, STEPS), sched=sched, ref_world=world)
+    out = dict(p10=snapshot(model.parameters()), sd10=sd())
+    train(case, model, opt, range(STEPS, STEPS + CONT), sched=sched, ref_world=world)
+    out.update(p13=snapshot(model.parameters()), sd13=sd())
     return out
 
 

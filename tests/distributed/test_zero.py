@@ -48,8 +48,8 @@ def cases_for(world: int):
 
 
 @functools.lru_cache(maxsize=None)
-def reference(name: str):
-    return W.reference(BY_NAME[name])
+def reference(name: str, world: int = 1):
+    return W.reference(BY_NAME[name], world)
 
 
 _RUNS: dict = {}
@@ -99,7 +99,7 @@ def test_spawn_clean(run, world):
 @pytest.mark.parametrize("world", WORLDS)
 def test_matches_torch(run, world, case):
     """Params after 10 and 13 steps and the consolidated state (torch.optim format) equal torch.optim's."""
-    ref = reference(case["name"])
+    ref = reference(case["name"], world)
     to = case["to"] % world
     at_to = _get(run, world, case["name"], rank=to)
     rank0 = _get(run, world, case["name"], rank=0)
