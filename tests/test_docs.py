@@ -100,8 +100,8 @@ def test_api_directives_resolve():
 
 def test_sharded_checkpoint_functions_documented():
     idents = set(_directives())
-    assert "funcopt.distributed.checkpoint" in idents
-    from funcopt.distributed import checkpoint
+    assert "funcopt.distributed.zero.checkpoint" in idents
+    from funcopt.distributed.zero import checkpoint
 
     for fn in (checkpoint.save_sharded, checkpoint.load_sharded):
         assert (fn.__doc__ or "").strip(), fn

@@ -5,7 +5,7 @@ optimizer over its shard and calls ``step(grads)``.
 """
 from ._comm import DistributedError
 from .bucketer import ReduceScatterBucketer
-from .layout import Layout, Segment, make_layout
+from .zero import Layout, Segment, make_layout
 from .rpc import DistributedOptimizer
 from .zero import ZeroRedundancyOptimizer
 

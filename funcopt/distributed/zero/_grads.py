@@ -19,8 +19,8 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.profiler import record_function
 
-from . import _comm
-from .bucketer import ReduceScatterBucketer
+from .. import _comm
+from ..bucketer import ReduceScatterBucketer
 from .layout import chunks
 
 

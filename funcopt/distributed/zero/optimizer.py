@@ -16,12 +16,13 @@ from torch import Tensor
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.profiler import record_function
 
-from .. import registry
-from .. import state_format
-from ..script import script
-from . import _comm, _pieces, checkpoint
+from ... import registry
+from ... import state_format
+from ...script import script
+from .. import _comm
+from . import _pieces, checkpoint
 from ._sync import ParamSyncMixin
-from ._zero2 import Zero2Mixin
+from ._grads import Zero2Mixin
 from .layout import PARTITIONS, Layout, Segment, make_layout
 
 _NOT_HYPER = state_format.NON_HYPER
