@@ -41,12 +41,12 @@ def local_pieces(segments: Sequence[Segment], local_state: Dict[Any, Dict[str, A
 
 def _shape_like(t: Tensor, shape: Tuple[int, ...]) -> Tensor:
     """A flat element tensor of a whole parameter in the parameter's shape."""
-    if t.dim() == 1 and tuple(t.shape) != tuple(shape) and t.numel() == _numel(shape):
+    if t.dim() == 1 and tuple(t.shape) != tuple(shape) and t.numel() == numel_of(shape):
         return t.reshape(shape)
     return t
 
 
-def _numel(shape: Sequence[int]) -> int:
+def numel_of(shape: Sequence[int]) -> int:
     n = 1
     for d in shape:
         n *= d
@@ -58,7 +58,7 @@ def segment_state(s: Segment, have: List[Tuple[int, int, Dict[str, Any]]], shape
     """The state of segment ``s`` (of a parameter of ``shape``) cut from the pieces
     ``have`` = [(start, length, entry)] of that parameter; element tensors come out
     in ``local_shape`` (the parameter's shape for a whole segment, else 1-D)."""
-    numel = _numel(shape)
+    numel = numel_of(shape)
     have = sorted(have, key=lambda x: x[0])
     if is_whole(s.start, s.length, numel):
         for start, length, entry in have:
@@ -91,7 +91,7 @@ def full_state(pieces: Sequence[Piece], shapes: Sequence[Tuple[int, ...]]) -> Di
     state: Dict[int, Dict[str, Any]] = {}
     for i, have in sorted(by_param.items()):
         shape = tuple(shapes[i])
-        numel = _numel(shape)
+        numel = numel_of(shape)
         whole = [e for start, length, e in have if is_whole(start, length, numel)]
         if whole:
             state[i] = {n: (_shape_like(v, shape) if isinstance(v, Tensor) else v) for n, v in whole[0].items()}

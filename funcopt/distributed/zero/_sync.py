@@ -1,4 +1,4 @@
-"""ZeRO's parameter homes and parameter sync (a mixin of ZeroRedundancyOptimizer).
+"""Parameter homes and the parameter sync after a step (ZeRO-1/2).
 
 Every parameter has a *home*: a contiguous 1-D tensor of its elements in
 logical order, what the local step and the sync work on.  After the local
@@ -7,42 +7,66 @@ every rank.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .layout import chunks
+from .layout import Layout, Space, chunk_elems, chunks
 
 
 def _align(nbytes: int) -> int:
     return (nbytes + 15) // 16 * 16
 
 
-class ParamSyncMixin:
-    """Homes (bucket views, shadows of non-contiguous parameters) and the broadcast sync."""
+class ParamSync:
+    """The homes of a list of parameters under a layout, and the broadcast sync.
+
+    Args:
+      params: the parameters, in ``param_groups`` order (the same on every rank).
+      layout: who owns which elements (:func:`~funcopt.distributed.zero.layout.make_layout`).
+      rank: this rank in ``process_group``.
+      process_group: ``None``: the world.
+      bucket_view: make ``p.data`` views into one flat buffer per dtype, so the
+        sync writes straight into the parameters.
+      bucket_size_mb: broadcast bucket size (``0``: one bucket per owner).
+
+    Attributes:
+      homes: one contiguous 1-D tensor per parameter (the parameter itself, a
+        view of it, or, for a *shadowed* non-contiguous parameter, a copy).
+      shadowed: indices of shadowed parameters; ``shadowed_mine``: those this
+        rank owns some elements of.
+    """
+
+    def __init__(self, params: List[Tensor], layout: Layout, rank: int, process_group: Any,
+                 bucket_view: bool, bucket_size_mb: int):
+        self.layout, self.rank, self.world = layout, rank, layout.world
+        self.process_group = process_group
+        self.bucket_view = bucket_view
+        self.bucket_size_mb = bucket_size_mb
+        self.buffers: Dict[str, Tensor] = {}
+        self._make_homes(params)
+        self._plan()
 
     def _make_homes(self, params: List[Tensor]) -> None:
-        """Each parameter's *home*: a contiguous 1-D tensor of its elements in logical
-        order, what the local step and the sync work on.  A contiguous parameter is
-        its own home (with bucket views: ``p.data`` becomes a view of its range of
-        the buffer); a non-contiguous one (channels_last, transposed, a strided
-        slice) keeps its strides and is *shadowed*: its home is a copy, refreshed
-        before the local step and copied back after the sync."""
-        self._homes: List[Tensor] = []
-        self._shadowed: List[int] = []
+        """A contiguous parameter is its own home (with bucket views: ``p.data``
+        becomes a view of its range of the buffer); a non-contiguous one
+        (channels_last, transposed, a strided slice) keeps its strides and is
+        *shadowed*: its home is a copy, refreshed before the local step and
+        copied back after the sync."""
+        self.homes: List[Tensor] = []
+        self.shadowed: List[int] = []
         regions: Dict[int, Tensor] = {}
-        if self.parameters_as_bucket_view:
-            self._buffers: Dict[str, Tensor] = {}
+        if self.bucket_view:
             for key, space in self.layout.spaces.items():
-                buf = torch.empty(self.world_size * space.shard, dtype=space.dtype, device=self._device(params, space))
+                buf = torch.empty(self.world * space.shard, dtype=space.dtype, device=_device(params, space))
                 for r, segs in enumerate(space.ranks):
                     for s in segs:
                         if s.param not in regions:
                             at = r * space.shard + s.offset - s.start
                             regions[s.param] = buf[at: at + params[s.param].numel()]
-                self._buffers[key] = buf
+                self.buffers[key] = buf
         for i, p in enumerate(params):
             region = regions.get(i)
             if p.is_contiguous():
@@ -55,71 +79,67 @@ class ParamSyncMixin:
             else:
                 home = region if region is not None else torch.empty(p.numel(), dtype=p.dtype, device=p.device)
                 home.view(p.shape).copy_(p.detach())
-                self._shadowed.append(i)
-            self._homes.append(home)
-        mine = {s.param for s in self._segments}
-        self._shadowed_mine = [i for i in self._shadowed if i in mine]
+                self.shadowed.append(i)
+            self.homes.append(home)
+        mine = {s.param for s in self.layout.segments(self.rank)}
+        self.shadowed_mine = [i for i in self.shadowed if i in mine]
 
-    @staticmethod
-    def _device(params: List[Tensor], space: Any) -> torch.device:
-        for segs in space.ranks:
-            for s in segs:
-                return params[s.param].device
-        return torch.device("cpu")
-
-    def _plan_sync(self) -> None:
-        """Precompute the parameter sync: per space and bucket-sized range of the
-        shards, each owner's broadcast and the home ranges it lands in."""
-        self._sync_plan = []
-        self._sync_buf: Optional[Tensor] = None
+    def _plan(self) -> None:
+        """Per space and bucket-sized range of the shards, each owner's broadcast and
+        the home ranges it lands in."""
+        self._steps: List[Tuple[str, Space, int, int, int, List[Tuple[int, int, int, int]]]] = []
+        self._buf: Optional[Tensor] = None
         for key, space in self.layout.spaces.items():
-            for lo, hi in chunks(space.shard, self._chunk_elems(space)):
-                for r in range(self.world_size):
+            for lo, hi in chunks(space.shard, chunk_elems(space, self.world, self.bucket_size_mb)):
+                for r in range(self.world):
                     pieces = [(s.param, s.start + skip, take, s.offset + skip - lo)
                               for s, skip, take in space.overlapping(r, lo, hi)]
                     if pieces:
                         n = max(at + take for _, _, take, at in pieces)
-                        self._sync_plan.append((key, space, lo, r, n, pieces))
+                        self._steps.append((key, space, lo, r, n, pieces))
 
-    def _chunk_elems(self, space: Any) -> int:
-        """Elements per rank in one bucket; ``bucket_size_mb=0``: the whole shard."""
-        if self.bucket_size_mb <= 0:
-            return max(1, space.shard)
-        elem = torch.empty((), dtype=space.dtype).element_size()
-        return max(1, self.bucket_size_mb * 1024 * 1024 // (elem * self.world_size))
+    def refresh_mine(self, params: List[Tensor]) -> None:
+        """Copy the shadowed parameters this rank owns into their homes (before a local step)."""
+        for i in self.shadowed_mine:
+            self.homes[i].view(params[i].shape).copy_(params[i].detach())
 
-    def _sync_params(self, params: List[Tensor]) -> None:
-        """Bring every owner's updated range to every rank: one broadcast per owner
-        and bucket (gloo's broadcast moved the same bytes 3-4x faster than its
-        all-gather on loopback, see docs/benchmarks.md).  With bucket views the
-        broadcast lands in the parameters; otherwise the owner packs its range into
-        a reused buffer and the receivers copy it out.  Shadowed (non-contiguous)
-        parameters are then copied back from their homes."""
-        if self.world_size > 1:
-            self._broadcast_shards(params)
-        mine = set(self._shadowed_mine) if self._eager else set()
-        for i in self._shadowed:
+    def sync(self, params: List[Tensor], updated_in_place: bool) -> None:
+        """Bring every owner's updated range to every rank.  Collective.
+
+        One broadcast per owner and bucket (gloo's broadcast moved the same
+        bytes 3-4x faster than its all-gather on loopback, see
+        docs/benchmarks.md).  With bucket views the broadcast lands in the
+        parameters; otherwise the owner packs its range into a reused buffer
+        and the receivers copy it out.  Shadowed parameters are then copied
+        back from their homes, except this rank's own when the local step
+        ``updated_in_place`` (an eager class steps the parameter itself).
+        """
+        if self.world > 1:
+            self._broadcast(params)
+        mine = set(self.shadowed_mine) if updated_in_place else set()
+        for i in self.shadowed:
             if i not in mine:
-                params[i].detach().copy_(self._homes[i].view(params[i].shape))
+                params[i].detach().copy_(self.homes[i].view(params[i].shape))
 
-    def _broadcast_shards(self, params: List[Tensor]) -> None:
+    def _broadcast(self, params: List[Tensor]) -> None:
         group = self.process_group
         works, unpack = [], []
         used = 0
-        if not self.parameters_as_bucket_view and self._sync_plan:
-            need = sum(_align(n * torch.empty((), dtype=space.dtype).element_size()) for _, space, _, _, n, _ in self._sync_plan)
-            if self._sync_buf is None or self._sync_buf.numel() < need:
-                self._sync_buf = torch.empty(need, dtype=torch.uint8, device=params[0].device)
-        for key, space, lo, r, n, pieces in self._sync_plan:
+        if not self.bucket_view and self._steps:
+            need = sum(_align(n * torch.empty((), dtype=space.dtype).element_size()) for _, space, _, _, n, _ in self._steps)
+            if self._buf is None or self._buf.numel() < need:
+                self._buf = torch.empty(need, dtype=torch.uint8, device=params[0].device)
+        for key, space, lo, r, n, pieces in self._steps:
             src = r if group is None else dist.get_global_rank(group, r)
-            if self.parameters_as_bucket_view:
+            if self.bucket_view:
                 at = r * space.shard + lo
-                works.append(dist.broadcast(self._buffers[key][at: at + n], src=src, group=group, async_op=True))
+                works.append(dist.broadcast(self.buffers[key][at: at + n], src=src, group=group, async_op=True))
                 continue
+            assert self._buf is not None
             nbytes = n * torch.empty((), dtype=space.dtype).element_size()
-            buf = self._sync_buf[used: used + nbytes].view(space.dtype)
+            buf = self._buf[used: used + nbytes].view(space.dtype)
             used += _align(nbytes)
-            views = [self._homes[i][a: a + take] for i, a, take, _ in pieces]
+            views = [self.homes[i][a: a + take] for i, a, take, _ in pieces]
             slots = [buf[at: at + take] for _, _, take, at in pieces]
             if r == self.rank:
                 torch._foreach_copy_(slots, views)
@@ -130,3 +150,10 @@ class ParamSyncMixin:
             w.wait()
         for views, slots in unpack:
             torch._foreach_copy_(views, slots)
+
+
+def _device(params: List[Tensor], space: Space) -> torch.device:
+    for segs in space.ranks:
+        for s in segs:
+            return params[s.param].device
+    return torch.device("cpu")

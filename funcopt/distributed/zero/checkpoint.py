@@ -104,18 +104,10 @@ def _params(opt: Any) -> List[torch.Tensor]:
     return [p for g in opt.param_groups for p in g["params"]]
 
 
-def _algorithm(opt: Any) -> str:
-    """The registry name, or the class of an optimizer ZeRO runs eagerly."""
-    if getattr(opt, "spec", None) is not None:
-        return opt.spec.name
-    cls = opt.optimizer_class
-    return f"{cls.__module__}.{cls.__qualname__}"
-
-
 def _describe(opt: Any) -> Dict[str, Any]:
     """What a checkpoint must match (JSON-friendly)."""
     return {
-        "algorithm": _algorithm(opt),
+        "algorithm": opt.algorithm(),
         "params": [[list(p.shape), str(p.dtype)] for p in _params(opt)],
         "group_sizes": [len(g["params"]) for g in opt.param_groups],
     }
@@ -171,7 +163,7 @@ def _save_state_dict(opt: Any, save_id: Optional[str]) -> Dict[str, Any]:
     sd: Dict[str, Any] = {"state": state}
     if opt.rank == 0:
         sd["param_groups"] = _torch_groups(opt)
-        sd["funcopt"] = {"format": FORMAT, "save_id": save_id, "algorithm": _algorithm(opt),
+        sd["funcopt"] = {"format": FORMAT, "save_id": save_id, "algorithm": opt.algorithm(),
                          "shapes": [tuple(p.shape) for p in params]}
     return sd
 
@@ -393,11 +385,11 @@ def _load_request(opt: Any, metadata: Any) -> Tuple[Dict[str, Any], List[Tuple[i
     if "funcopt.save_id" not in request:
         raise ValueError("the checkpoint lacks its save id")
     pieces = []
-    for seg in opt.layout.segments(opt.rank):
-        p = params[seg.param]
+    for param, start, length in opt.owned_ranges():
+        p = params[param]
         entry = {}
-        for name, md in saved.get(seg.param, {}).items():
-            key = f"state.{seg.param}.{name}"
+        for name, md in saved.get(param, {}).items():
+            key = f"state.{param}.{name}"
             if isinstance(md, BytesStorageMetadata):  # a plain value (an eagerly run class's state)
                 request[key] = None
                 entry[name] = key
@@ -406,11 +398,11 @@ def _load_request(opt: Any, metadata: Any) -> Tuple[Dict[str, Any], List[Tuple[i
                 buf = torch.empty(tuple(md.size), dtype=md.properties.dtype, device=p.device)
                 request[key] = buf
             else:
-                buf = torch.empty(seg.length, dtype=md.properties.dtype, device=p.device)
-                request[key] = _sharded(buf, seg.start, p.numel(), meshes)
+                buf = torch.empty(length, dtype=md.properties.dtype, device=p.device)
+                request[key] = _sharded(buf, start, p.numel(), meshes)
             entry[name] = buf
         if entry:
-            pieces.append((seg.param, seg.start, seg.length, entry))
+            pieces.append((param, start, length, entry))
     return request, pieces
 
 

@@ -134,3 +134,12 @@ def chunks(shard: int, chunk: int) -> List[Tuple[int, int]]:
     """[lo, hi) ranges of at most ``chunk`` elements covering a shard."""
     chunk = max(1, chunk)
     return [(lo, min(lo + chunk, shard)) for lo in range(0, shard, chunk)]
+
+
+def chunk_elems(space: Space, world: int, bucket_size_mb: int) -> int:
+    """Elements per rank in one bucket of ``space`` (the parameter sync's and ZeRO-2's
+    reduce-scatter's unit); ``bucket_size_mb <= 0``: the whole shard."""
+    if bucket_size_mb <= 0:
+        return max(1, space.shard)
+    elem = torch.empty((), dtype=space.dtype).element_size()
+    return max(1, bucket_size_mb * 1024 * 1024 // (elem * world))

@@ -1,10 +1,15 @@
 """ZeroRedundancyOptimizer: optimizer state (ZeRO-1) and gradients (ZeRO-2) sharded over ranks.
 
 Each rank owns a part of every dtype's flat parameter space (see
-:mod:`funcopt.distributed.layout`), runs a scripted funcopt optimizer over
+:mod:`funcopt.distributed.zero.layout`), runs a scripted funcopt optimizer over
 views of just that part, and bucketed broadcasts bring every rank's
 updated part to every rank.  The update rule is never reimplemented here: the
 local optimizer is the registry's funcopt class, over its shard.
+
+This module is the optimizer only; the jobs it composes live next to it:
+the partition (``layout``), the parameter homes and sync (``_sync.ParamSync``),
+ZeRO-2's gradient shards (``_grads.GradShards``), the sharded state
+(``state.ShardState``) and the checkpoints (``checkpoint``).
 """
 from __future__ import annotations
 
@@ -18,12 +23,12 @@ from torch.profiler import record_function
 
 from ... import registry
 from ... import state_format
-from ...script import script
-from .. import _comm
-from . import _pieces, checkpoint
-from ._sync import ParamSyncMixin
-from ._grads import Zero2Mixin
+from .. import _comm, _local
+from . import checkpoint
+from ._grads import GradShards
+from ._sync import ParamSync
 from .layout import PARTITIONS, Layout, Segment, make_layout
+from .state import Piece, ShardState, hyperparameters
 
 _NOT_HYPER = state_format.NON_HYPER
 
@@ -50,7 +55,7 @@ class _ZeroJoinHook(JoinHook):
         self.zero.step()
 
 
-class ZeroRedundancyOptimizer(Zero2Mixin, ParamSyncMixin, torch.optim.Optimizer, Joinable):
+class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
     r"""Shard optimizer state (and optionally gradients) over the ranks of a process group.
 
     A drop-in for ``torch.distributed.optim.ZeroRedundancyOptimizer``: same
@@ -148,9 +153,9 @@ class ZeroRedundancyOptimizer(Zero2Mixin, ParamSyncMixin, torch.optim.Optimizer,
             self._impl = probe.impl
         else:
             probe = optimizer_class([torch.zeros(1, requires_grad=True)], **defaults)
-        self._local: Any = None
+        self._state: Optional[ShardState] = None
+        self._grads: Optional[GradShards] = None
         self._all_state_dicts: Optional[Dict[str, Any]] = None
-        self._hooks: List[Any] = []
         torch.optim.Optimizer.__init__(self, params, dict(probe.defaults))
         Joinable.__init__(self)
         # torch.amp.GradScaler hands itself to step() (grad_scaler=) when this is set: ZeRO-2
@@ -162,7 +167,7 @@ class ZeroRedundancyOptimizer(Zero2Mixin, ParamSyncMixin, torch.optim.Optimizer,
     @property
     def optim(self) -> torch.optim.Optimizer:
         """This rank's local optimizer (over the parameters, or element ranges, it owns)."""
-        return self._local
+        return self._state.optim if self._state is not None else None
 
     @property
     def _all_params(self) -> List[Tensor]:  # torch's name; its tests and join hooks read it
@@ -172,25 +177,37 @@ class ZeroRedundancyOptimizer(Zero2Mixin, ParamSyncMixin, torch.optim.Optimizer,
     def _eager(self) -> bool:
         return self.spec is None
 
+    @property
+    def scripted(self) -> bool:
+        """Whether the local optimizer is a scripted funcopt optimizer (``False``: a
+        ``torch.optim`` class run eagerly, or a funcopt one where this torch cannot script)."""
+        return self._scripted
+
     def _params(self) -> List[Tensor]:
         return [p for g in self.param_groups for p in g["params"]]
 
-    def _algorithm(self) -> str:
+    def algorithm(self) -> str:
+        """The registry name of the algorithm, or ``module.Class`` of an optimizer class run eagerly."""
         if self.spec is not None:
             return self.spec.name
         return f"{self.optimizer_class.__module__}.{self.optimizer_class.__qualname__}"
 
+    def owned_ranges(self) -> List[Tuple[int, int, int]]:
+        """``(param, start, length)`` element ranges this rank owns, ``param`` indexing the
+        parameters in ``param_groups`` order, ordered by (param, start).  Local."""
+        return [(s.param, s.start, s.length) for s in self._segments]
+
     def _describe(self) -> Dict[str, Any]:
         """What every rank must agree on (compared by digest, explained on mismatch)."""
         return dict(
-            optimizer=self._algorithm(), partition=self.partition, zero_stage=self.zero_stage,
+            optimizer=self.algorithm(), partition=self.partition, zero_stage=self.zero_stage,
             parameters_as_bucket_view=self.parameters_as_bucket_view,
             params=[[(tuple(p.shape), str(p.dtype), str(p.layout)) for p in g["params"]] for g in self.param_groups],
             hyperparameters=[{k: _norm(v) for k, v in sorted(g.items()) if k not in _NOT_HYPER}
                              for g in self.param_groups])
 
     def _rebuild(self, carry_state: bool) -> None:
-        """(Re)compute the layout and the local optimizer.  Collective."""
+        """(Re)compute the layout, homes, local optimizer and gradient shards.  Collective."""
         with record_function("funcopt::zero/partition"):
             _comm.check_same(self._describe(), self.process_group, "ZeroRedundancyOptimizer")
             params = self._params()
@@ -202,41 +219,25 @@ class ZeroRedundancyOptimizer(Zero2Mixin, ParamSyncMixin, torch.optim.Optimizer,
                 [p.numel() for p in params], [p.dtype for p in params],
                 [len(g["params"]) for g in self.param_groups], self.world_size, self.partition)
             self._segments: List[Segment] = self.layout.segments(self.rank)
-            self._make_homes(params)
-            self._build_local(params)
+            self._sync = ParamSync(params, self.layout, self.rank, self.process_group,
+                                   self.parameters_as_bucket_view, self.bucket_size_mb)
+            self._state = ShardState(self._segments, params, self.param_groups, self._sync.homes,
+                                     self._sync.shadowed, self._make_local, self._eager)
             if pieces is not None:
-                self._load_pieces(pieces)
-            self._plan_sync()
+                self._state.commit(self._state.stage(pieces))
+            if self._grads is not None:
+                self._grads.remove()
+                self._grads = None
             if self.zero_stage == 2:
-                self._setup_zero2(params)
+                self._grads = GradShards(params, self.layout, self.rank, self.process_group, self.bucket_size_mb)
 
-    def _build_local(self, params: List[Tensor]) -> None:
-        """The local optimizer over this rank's segments: a whole parameter is the
-        parameter itself (as in torch; ``optim.state[p]`` works), except a shadowed one
-        under a funcopt algorithm (its home in the parameter's shape); a partial
-        segment is a 1-D view of the home."""
-        groups: List[Dict[str, Any]] = []
-        gid = [g for g, group in enumerate(self.param_groups) for _ in group["params"]]
-        for group in self.param_groups:
-            groups.append(dict({k: v for k, v in group.items() if k not in _NOT_HYPER}, params=[]))
-        shadowed = set(self._shadowed)
-        self._local_tensors: List[Tensor] = []
-        self._local_shapes: List[Optional[Tuple[int, ...]]] = []  # None: a 1-D element range
-        for s in self._segments:
-            p = params[s.param]
-            if _pieces.is_whole(s.start, s.length, p.numel()):
-                t = p if (self._eager or s.param not in shadowed) else self._homes[s.param].view(p.shape)
-                self._local_shapes.append(tuple(p.shape))
-            else:
-                t = self._homes[s.param][s.start: s.start + s.length]
-                self._local_shapes.append(None)
-            self._local_tensors.append(t)
-            groups[gid[s.param]]["params"].append(t)
-        self._local_gid = [gid[s.param] for s in self._segments]
+    def _make_local(self, groups: List[Dict[str, Any]]) -> Any:
         if self._eager:
-            self._local = self.optimizer_class(groups, **self._optim_defaults)
-        else:
-            self._local = script(self.spec.cls(groups, impl=self._impl))
+            self._scripted = False
+            return self.optimizer_class(groups, **self._optim_defaults)
+        opt, self._scripted = _local.scripted_or_eager(lambda: self.spec.cls(groups, impl=self._impl),
+                                                       "ZeroRedundancyOptimizer")
+        return opt
 
     @staticmethod
     def _sync_groups(src: List[Dict[str, Any]], dst: List[Dict[str, Any]]) -> None:
@@ -265,6 +266,7 @@ class ZeroRedundancyOptimizer(Zero2Mixin, ParamSyncMixin, torch.optim.Optimizer,
                 "ZeRO-2 with torch.amp.GradScaler: the scaler must reach ZeroRedundancyOptimizer.step as "
                 "grad_scaler= (a subclass overriding step() must accept and forward grad_scaler)")
         params = self._params()
+        local = self._state.optim
         loss = None
         if self.zero_stage == 2 or not self._eager:
             if closure is not None:
@@ -272,7 +274,7 @@ class ZeroRedundancyOptimizer(Zero2Mixin, ParamSyncMixin, torch.optim.Optimizer,
                     loss = closure()
             closure = None
             grads = self._collect_grads(params)
-            if self.zero_stage == 2 and grad_scaler is not None and self._zero2_amp(grad_scaler):
+            if self._grads is not None and grad_scaler is not None and self._grads.unscale(grad_scaler, id(self)):
                 return loss  # inf/NaN gradients on some rank: every rank skips the step
         with record_function("funcopt::zero/local_step"):
             if self._eager:
@@ -280,21 +282,21 @@ class ZeroRedundancyOptimizer(Zero2Mixin, ParamSyncMixin, torch.optim.Optimizer,
                 loss = out if loss is None else loss
             else:
                 with torch.no_grad():
-                    for i in self._shadowed_mine:
-                        self._homes[i].view(params[i].shape).copy_(params[i].detach())
-                    self._sync_groups(self.param_groups, self._local.param_groups)
-                    self._local.step(grads, **kwargs)
+                    self._sync.refresh_mine(params)
+                    self._sync_groups(self.param_groups, local.param_groups)
+                    local.step(grads, **kwargs)
         with record_function("funcopt::zero/sync_params"), torch.no_grad():
-            self._sync_params(params)
+            self._sync.sync(params, updated_in_place=self._eager)
         return loss
 
     def _collect_grads(self, params: List[Tensor]) -> List[Optional[Tensor]]:
         """One gradient per local segment, shaped like its local tensor (contiguous)."""
         with torch.no_grad():
-            if self.zero_stage == 2:
-                return self._zero2_grads(params, self._local_shapes)
+            shapes = self._state.local_shapes
+            if self._grads is not None:
+                return self._grads.grads(self._segments, shapes)
             out: List[Optional[Tensor]] = []
-            for s, shape in zip(self._segments, self._local_shapes):
+            for s, shape in zip(self._segments, shapes):
                 g = params[s.param].grad
                 if g is None:
                     out.append(None)
@@ -310,27 +312,36 @@ class ZeroRedundancyOptimizer(Zero2Mixin, ParamSyncMixin, torch.optim.Optimizer,
         """Step a torch.optim-style local optimizer as torch's ZeRO does: hyperparameters
         synced both ways, ``closure``/``kwargs`` passed on.  ZeRO-2: the gradient shards
         are lent to the owned parameters' ``.grad`` for the step."""
+        local, tensors = self._state.optim, self._state.tensors
         if grads is not None:
-            for t, g in zip(self._local_tensors, grads):
+            for t, g in zip(tensors, grads):
                 t.grad = g
-        self._sync_groups(self.param_groups, self._local.param_groups)
+        self._sync_groups(self.param_groups, local.param_groups)
         try:
-            loss = self._local.step(**kwargs) if closure is None else self._local.step(closure=closure, **kwargs)
+            loss = local.step(**kwargs) if closure is None else local.step(closure=closure, **kwargs)
         finally:
             if grads is not None:
-                for t in self._local_tensors:
+                for t in tensors:
                     t.grad = None
-        self._sync_groups(self._local.param_groups, self.param_groups)
+        self._sync_groups(local.param_groups, self.param_groups)
         with torch.no_grad():
-            params = self._params()
-            for i in self._shadowed_mine:  # the eager step updated the parameter itself
-                self._homes[i].view(params[i].shape).copy_(params[i].detach())
+            self._sync.refresh_mine(self._params())  # the eager step updated the parameter itself
         return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """As ``torch.optim.Optimizer.zero_grad``; ZeRO-2 also drops the gradient shards."""
+        super().zero_grad(set_to_none)
+        if self._grads is not None:
+            self._grads.clear()
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state this rank holds."""
-        return sum(t.numel() * t.element_size() for e in self._local.state_dict()["state"].values()
-                   for t in e.values() if isinstance(t, Tensor))
+        return self._state.nbytes()
+
+    def grad_shard_bytes(self) -> int:
+        """Bytes of gradient this rank holds (ZeRO-2: its shard only)."""
+        own = self._grads.nbytes() if self._grads is not None else 0
+        return own + sum(p.grad.numel() * p.grad.element_size() for p in self._params() if p.grad is not None)
 
     # ----------------------------------------------------------------- join
     def join_hook(self, **kwargs: Any) -> JoinHook:
@@ -354,7 +365,7 @@ class ZeroRedundancyOptimizer(Zero2Mixin, ParamSyncMixin, torch.optim.Optimizer,
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         """Add a group (collective); the partition is recomputed and state moves with it."""
         super().add_param_group(param_group)
-        if self._local is not None:
+        if self._state is not None:
             try:
                 self._rebuild(carry_state=True)  # checks agreement before changing anything
             except Exception:
@@ -362,12 +373,7 @@ class ZeroRedundancyOptimizer(Zero2Mixin, ParamSyncMixin, torch.optim.Optimizer,
                 raise
 
     # ------------------------------------------------------------------ state
-    def _local_pieces(self) -> List[_pieces.Piece]:
-        """This rank's state as (param, start, length, {name: value}) pieces (see
-        :mod:`funcopt.distributed._pieces`)."""
-        return _pieces.local_pieces(self._segments, self._local.state_dict()["state"])
-
-    # public surface of the sharded state, for funcopt.distributed.checkpoint
+    # the public surface of the sharded state, for funcopt.distributed.zero.checkpoint
     def shard_state(self) -> List[Tuple[int, int, int, Dict[str, Tensor]]]:
         """This rank's optimizer state as ``(param, start, length, {name: tensor})`` pieces.
 
@@ -375,11 +381,7 @@ class ZeroRedundancyOptimizer(Zero2Mixin, ParamSyncMixin, torch.optim.Optimizer,
         are flat ranges ``[start, start + length)`` of the flattened parameter's
         state (0-d tensors, such as ``step``, whole).  Local, no communication.
         """
-        out = []
-        for i, start, length, entry in self._local_pieces():
-            out.append((i, start, length, {n: (t.reshape(-1) if isinstance(t, Tensor) and t.dim() > 0 else t)
-                                           for n, t in entry.items()}))
-        return out
+        return self._state.flat_pieces()
 
     def stage_shard_state(self, pieces: List[Tuple[int, int, int, Dict[str, Tensor]]],
                           param_groups: List[Dict[str, Any]]) -> Any:
@@ -388,75 +390,37 @@ class ZeroRedundancyOptimizer(Zero2Mixin, ParamSyncMixin, torch.optim.Optimizer,
         Changes nothing; raises ``ValueError`` (or the core's error) on bad input.  Local."""
         if len(param_groups) != len(self.param_groups):
             raise ValueError(f"{len(param_groups)} param groups given, optimizer has {len(self.param_groups)}")
-        hyper = [{k: v for k, v in g.items() if k not in _NOT_HYPER} for g in param_groups]
-        local_sd = self._local_state_from_pieces(pieces)
-        for gi, h in enumerate(hyper):
-            local_sd["param_groups"][gi].update(h)
-        return hyper, self._stage_local(local_sd)
+        hyper = [hyperparameters(g) for g in param_groups]
+        return hyper, self._state.stage(pieces, hyper)
 
     def commit_shard_state(self, staged: Any) -> None:
         """Apply what :meth:`stage_shard_state` returned.  Local."""
         hyper, local = staged
         for group, h in zip(self.param_groups, hyper):
             group.update(h)
-        self._commit_local(local)
+        self._state.commit(local)
 
-    def _stage_local(self, local_sd: Dict[str, Any]) -> Any:
-        """Check a local state dict without changing anything (funcopt: the core's
-        ``stage_state``; an eager torch.optim class checks in its ``load_state_dict``)."""
-        return local_sd if self._eager else self._local.stage_state(local_sd)
-
-    def _commit_local(self, staged: Any) -> None:
-        if self._eager:
-            self._local.load_state_dict(staged)
-        else:
-            self._local.commit_state(staged)
-
-    def _gather_pieces(self) -> List[_pieces.Piece]:
-        return [piece for part in _comm.all_gather_object(self._local_pieces(), self.process_group) for piece in part]
-
-    def _load_pieces(self, pieces: List[_pieces.Piece]) -> None:
-        self._commit_local(self._stage_local(self._local_state_from_pieces(pieces)))
-
-    def _local_state_from_pieces(self, pieces: List[_pieces.Piece]) -> Dict[str, Any]:
-        """The local optimizer's state dict, cut from any pieces covering our segments."""
-        by_param: Dict[int, List[Tuple[int, int, Dict[str, Any]]]] = {}
-        for i, start, length, entry in pieces:
-            by_param.setdefault(i, []).append((start, length, entry))
-        params = self._params()
-        state: Dict[int, Dict[str, Any]] = {}
-        for k, (s, shape) in enumerate(zip(self._segments, self._local_shapes)):
-            have = by_param.get(s.param)
-            if have:
-                state[k] = _pieces.segment_state(s, have, tuple(params[s.param].shape),
-                                                 shape if shape is not None else (s.length,))
-        groups = [dict({k: v for k, v in g.items() if k != "params"}, params=[]) for g in self._local.param_groups]
-        for k, gi in enumerate(self._local_gid):
-            groups[gi]["params"].append(k)
-        return {"state": state, "param_groups": groups}
+    def _gather_pieces(self) -> List[Piece]:
+        return [piece for part in _comm.all_gather_object(self._state.pieces(), self.process_group) for piece in part]
 
     def consolidate_state_dict(self, to: int = 0) -> None:
         """Gather the full torch.optim-format state on rank ``to``, one shard at a time.  Collective."""
         with record_function("funcopt::zero/consolidate"):
-            mine = self._local_pieces()
+            mine = self._state.pieces()
             if self.rank == to:
                 pieces = list(mine)
                 for r in range(self.world_size):
                     if r != to:
                         pieces.extend(_comm.recv_object(r, self.process_group))
-                self._all_state_dicts = self._full_state(pieces)
+                self._all_state_dicts = self._state.full_state(pieces, self.param_groups)
             else:
                 _comm.send_object(mine, to, self.process_group)
                 self._all_state_dicts = None
 
-    def _full_state(self, pieces: List[_pieces.Piece]) -> Dict[str, Any]:
-        state = _pieces.full_state(pieces, [tuple(p.shape) for p in self._params()])
-        return {"state": state, "param_groups": state_format.pack_groups(self.param_groups)}
-
     def save_sharded(self, path: str) -> None:
         """Each rank writes its own shard under directory ``path``.  Collective.
 
-        See :mod:`funcopt.distributed.checkpoint`; loads at any world size
+        See :mod:`funcopt.distributed.zero.checkpoint`; loads at any world size
         with :meth:`load_sharded`.
         """
         checkpoint.save_sharded(self, path)
@@ -482,7 +446,7 @@ class ZeroRedundancyOptimizer(Zero2Mixin, ParamSyncMixin, torch.optim.Optimizer,
         """
         error, staged = None, None
         try:
-            staged = self._stage_full(state_dict)
+            staged = self._state.stage_full(state_dict, self.param_groups)
         except (ValueError, KeyError, TypeError, RuntimeError) as e:
             error = f"{type(e).__name__}: {e}"
         _comm.agree(error, self.process_group, "ZeroRedundancyOptimizer.load_state_dict")
@@ -492,37 +456,4 @@ class ZeroRedundancyOptimizer(Zero2Mixin, ParamSyncMixin, torch.optim.Optimizer,
             for k, v in saved.items():
                 if k not in _NOT_HYPER:
                     group[k] = v
-        self._commit_local(local_staged)
-
-    def _stage_full(self, state_dict: Dict[str, Any]) -> Tuple[List[Dict[str, Any]], Any]:
-        if not isinstance(state_dict, dict) or set(state_dict) != {"state", "param_groups"}:
-            raise ValueError("expected a dict with keys 'state' and 'param_groups'")
-        groups = state_dict["param_groups"]
-        if len(groups) != len(self.param_groups):
-            raise ValueError(f"state dict has {len(groups)} param groups, optimizer has {len(self.param_groups)}")
-        params, ids, flat = self._params(), {}, 0
-        for g, (mine, saved) in enumerate(zip(self.param_groups, groups)):
-            if len(saved["params"]) != len(mine["params"]):
-                raise ValueError(f"param group {g} has {len(saved['params'])} params, optimizer has {len(mine['params'])}")
-            for sid in saved["params"]:
-                ids[sid] = flat
-                flat += 1
-        pieces = []
-        for sid, entry in state_dict["state"].items():
-            if sid not in ids:
-                raise ValueError(f"state for unknown parameter id {sid!r}")
-            i = ids[sid]
-            p = params[i]
-            if not isinstance(entry, dict):
-                raise ValueError(f"state of parameter {sid!r} is a {type(entry).__name__}, not a dict")
-            if self._eager:  # the class's own state: whole parameters, kept as they are
-                pieces.append((i, 0, p.numel(), dict(entry)))
-                continue
-            for name, t in entry.items():
-                if isinstance(t, Tensor) and t.dim() > 0 and t.shape != p.shape:
-                    raise ValueError(f"'{name}' of parameter {sid!r} has shape {tuple(t.shape)}, parameter has {tuple(p.shape)}")
-            pieces.append((i, 0, p.numel(), {n: (t if isinstance(t, Tensor) else torch.tensor(float(t))) for n, t in entry.items()}))
-        local_sd = self._local_state_from_pieces(pieces)
-        for gi, saved in enumerate(groups):
-            local_sd["param_groups"][gi].update({k: v for k, v in saved.items() if k not in _NOT_HYPER})
-        return groups, self._stage_local(local_sd)
+        self._state.commit(local_staged)

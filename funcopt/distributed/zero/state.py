@@ -1,0 +1,156 @@
+"""Sharded optimizer state: this rank's local optimizer over the segments it owns, and its
+state as pieces (see :mod:`funcopt.distributed.zero._pieces`).
+
+ZeRO's consolidation, ``load_state_dict``, ``add_param_group`` and the
+sharded checkpoints all read and write the state through :class:`ShardState`.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from ... import state_format
+from . import _pieces
+from .layout import Segment
+
+_NOT_HYPER = state_format.NON_HYPER
+
+# (param, start, length, {name: value}), see _pieces
+Piece = _pieces.Piece
+
+
+def hyperparameters(group: Dict[str, Any]) -> Dict[str, Any]:
+    """A param group without ``params`` and the other non-hyperparameter keys."""
+    return {k: v for k, v in group.items() if k not in _NOT_HYPER}
+
+
+class ShardState:
+    """The local optimizer over ``segments`` and the conversions of its state.
+
+    Args:
+      segments: this rank's segments (``Layout.segments(rank)``).
+      params: all parameters, in ``param_groups`` order.
+      param_groups: the ZeRO optimizer's groups (hyperparameters are copied).
+      homes: each parameter's contiguous 1-D home (see ``_sync.ParamSync``).
+      shadowed: indices of parameters whose home is a copy.
+      make_optimizer: builds the local optimizer from torch-style param groups.
+      eager: the local optimizer is a ``torch.optim`` class run eagerly (it
+        steps whole parameters in place and keeps its own state format).
+    """
+
+    def __init__(self, segments: Sequence[Segment], params: List[Tensor], param_groups: List[Dict[str, Any]],
+                 homes: List[Tensor], shadowed: Sequence[int], make_optimizer: Callable[[List[Dict[str, Any]]], Any],
+                 eager: bool):
+        self.segments = list(segments)
+        self.eager = eager
+        self.shapes = [tuple(p.shape) for p in params]
+        gid = [g for g, group in enumerate(param_groups) for _ in group["params"]]
+        groups: List[Dict[str, Any]] = [dict(hyperparameters(g), params=[]) for g in param_groups]
+        shadow = set(shadowed)
+        # a whole parameter is the parameter itself (as in torch; ``optim.state[p]`` works),
+        # except a shadowed one under a funcopt algorithm (its home in the parameter's
+        # shape); a partial segment is a 1-D view of the home
+        self.tensors: List[Tensor] = []
+        self.local_shapes: List[Optional[Tuple[int, ...]]] = []  # None: a 1-D element range
+        for s in self.segments:
+            p = params[s.param]
+            if _pieces.is_whole(s.start, s.length, p.numel()):
+                t = p if (eager or s.param not in shadow) else homes[s.param].view(p.shape)
+                self.local_shapes.append(tuple(p.shape))
+            else:
+                t = homes[s.param][s.start: s.start + s.length]
+                self.local_shapes.append(None)
+            self.tensors.append(t)
+            groups[gid[s.param]]["params"].append(t)
+        self.local_gid = [gid[s.param] for s in self.segments]
+        self.optim = make_optimizer(groups)
+
+    # ------------------------------------------------------------ pieces
+    def pieces(self) -> List[Piece]:
+        """This rank's state as pieces, tensors detached and on the CPU.  Local."""
+        return _pieces.local_pieces(self.segments, self.optim.state_dict()["state"])
+
+    def flat_pieces(self) -> List[Piece]:
+        """:meth:`pieces` with every element tensor flattened to 1-D (0-d tensors kept)."""
+        return [(i, start, length, {n: (t.reshape(-1) if isinstance(t, Tensor) and t.dim() > 0 else t)
+                                    for n, t in entry.items()})
+                for i, start, length, entry in self.pieces()]
+
+    def local_state_dict(self, pieces: Sequence[Piece]) -> Dict[str, Any]:
+        """The local optimizer's state dict, cut from any pieces covering our segments."""
+        by_param: Dict[int, List[Tuple[int, int, Dict[str, Any]]]] = {}
+        for i, start, length, entry in pieces:
+            by_param.setdefault(i, []).append((start, length, entry))
+        state: Dict[int, Dict[str, Any]] = {}
+        for k, (s, shape) in enumerate(zip(self.segments, self.local_shapes)):
+            have = by_param.get(s.param)
+            if have:
+                state[k] = _pieces.segment_state(s, have, self.shapes[s.param],
+                                                 shape if shape is not None else (s.length,))
+        groups = [dict({k: v for k, v in g.items() if k != "params"}, params=[]) for g in self.optim.param_groups]
+        for k, gi in enumerate(self.local_gid):
+            groups[gi]["params"].append(k)
+        return {"state": state, "param_groups": groups}
+
+    def stage(self, pieces: Sequence[Piece], hyper: Optional[List[Dict[str, Any]]] = None) -> Any:
+        """Check the state cut from ``pieces`` (and group hyperparameters ``hyper``) without
+        changing anything; returns what :meth:`commit` applies.  Raises ``ValueError`` (or
+        the core's error) on bad input.  Local."""
+        local_sd = self.local_state_dict(pieces)
+        for gi, h in enumerate(hyper or []):
+            local_sd["param_groups"][gi].update(h)
+        # funcopt: the core's stage_state; an eager torch.optim class checks in its load_state_dict
+        return local_sd if self.eager else self.optim.stage_state(local_sd)
+
+    def commit(self, staged: Any) -> None:
+        """Apply what :meth:`stage` returned.  Local."""
+        if self.eager:
+            self.optim.load_state_dict(staged)
+        else:
+            self.optim.commit_state(staged)
+
+    # --------------------------------------------------------- torch format
+    def full_state(self, pieces: Sequence[Piece], param_groups: List[Dict[str, Any]]) -> Dict[str, Any]:
+        """The ``torch.optim`` state dict assembled from every rank's pieces."""
+        return {"state": _pieces.full_state(pieces, self.shapes),
+                "param_groups": state_format.pack_groups(param_groups)}
+
+    def stage_full(self, state_dict: Dict[str, Any], param_groups: List[Dict[str, Any]]) -> Tuple[List[Dict[str, Any]], Any]:
+        """Check a full ``torch.optim`` state dict (from any world size) and cut this rank's
+        part; returns (saved groups, staged local state).  Changes nothing.  Local."""
+        if not isinstance(state_dict, dict) or set(state_dict) != {"state", "param_groups"}:
+            raise ValueError("expected a dict with keys 'state' and 'param_groups'")
+        groups = state_dict["param_groups"]
+        if len(groups) != len(param_groups):
+            raise ValueError(f"state dict has {len(groups)} param groups, optimizer has {len(param_groups)}")
+        ids, flat = {}, 0
+        for g, (mine, saved) in enumerate(zip(param_groups, groups)):
+            if len(saved["params"]) != len(mine["params"]):
+                raise ValueError(f"param group {g} has {len(saved['params'])} params, optimizer has {len(mine['params'])}")
+            for sid in saved["params"]:
+                ids[sid] = flat
+                flat += 1
+        pieces = []
+        for sid, entry in state_dict["state"].items():
+            if sid not in ids:
+                raise ValueError(f"state for unknown parameter id {sid!r}")
+            i = ids[sid]
+            shape = self.shapes[i]
+            numel = _pieces.numel_of(shape)
+            if not isinstance(entry, dict):
+                raise ValueError(f"state of parameter {sid!r} is a {type(entry).__name__}, not a dict")
+            if self.eager:  # the class's own state: whole parameters, kept as they are
+                pieces.append((i, 0, numel, dict(entry)))
+                continue
+            for name, t in entry.items():
+                if isinstance(t, Tensor) and t.dim() > 0 and tuple(t.shape) != shape:
+                    raise ValueError(f"'{name}' of parameter {sid!r} has shape {tuple(t.shape)}, parameter has {shape}")
+            pieces.append((i, 0, numel, {n: (t if isinstance(t, Tensor) else torch.tensor(float(t))) for n, t in entry.items()}))
+        return groups, self.stage(pieces, [hyperparameters(g) for g in groups])
+
+    def nbytes(self) -> int:
+        """Bytes of optimizer state this rank holds."""
+        return sum(t.numel() * t.element_size() for e in self.optim.state_dict()["state"].values()
+                   for t in e.values() if isinstance(t, Tensor))
