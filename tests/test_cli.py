@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -57,17 +59,61 @@ def test_import_cli_is_silent():
     assert r.stdout == "" and r.stderr == ""
 
 
+def test_version():
+    r = _run(["-m", "funcopt", "--version"], timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert re.fullmatch(r"funcopt \S+ \(torch \S+, Python \S+\)\n", r.stdout), r.stdout
+    assert r.stderr == ""
+
+
 def test_usage_errors():
     r = _run(["-m", "funcopt"], timeout=120)
     assert r.returncode == 2 and "COMMAND" in r.stderr
-    r = _run(["-m", "funcopt", "demo", "--steps", "0"], timeout=120)
-    assert r.returncode == 2 and "--steps" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+# (arguments, what the one line must name): each refused before anything is spawned.
+BAD = [
+    (["demo", "--steps", "0"], "--steps must be at least 1"),
+    (["demo", "--steps", "x"], "--steps: invalid int value"),
+    (["demo", "--batch-size", "0"], "--batch-size must be at least 1"),
+    (["demo", "--threads", "-2"], "--threads must be at least 1"),
+    (["demo", "--zero", "1", "--world-size", "0"], "--world-size must be at least 1"),
+    (["demo", "--zero", "2", "--world-size", "-3"], "--world-size must be at least 1"),
+    (["demo", "--zero", "4"], "--zero: invalid choice"),
+    (["demo", "--zero", "1", "--steps", "0"], "--steps must be at least 1"),
+    (["demo", "--rpc", "--trainers", "0"], "--trainers must be at least 1"),
+    (["demo", "--rpc", "--steps", "0"], "--steps must be at least 1"),
+    (["demo", "--rpc", "--batch-size", "0"], "--batch-size must be at least 1"),
+    (["demo", "--rpc", "--zero", "1"], "separate demos"),
+    (["demo", "--world-size", "2"], "--world-size needs --zero"),
+    (["demo", "--trainers", "2"], "--trainers is for --rpc"),
+    (["demo", "--zero", "1", "--world-size", "2", "--batch-size", "5"], "not divisible"),
+    (["bench", "--only", "gpu"], "--only"),
+    (["bench", "step", "--repeats", "0"], "--repeats must be at least 1"),
+    (["bench", "step", "--algos", "Lion"], "unknown algorithm"),
+    (["bench", "step", "--sizes", "huge"], "--sizes"),
+    (["bench", "zero", "--world-size", "0"], "--world-size must be at least 1"),
+    (["bench", "zero", "--iters", "0"], "--iters must be at least 1"),
+    (["bench", "zero", "--lr", "-1"], "--lr"),
+    (["bench", "rpc", "--trainers", "0"], "trainer count"),
+    (["bench", "rpc", "--reps", "0"], "--reps must be at least 1"),
+]
+
+
+@pytest.mark.parametrize("argv,says", BAD, ids=[" ".join(a) for a, _ in BAD])
+def test_bad_arguments_are_one_line_exit_2(argv, says):
+    r = _run(["-m", "funcopt", *argv, "--no-progress"], timeout=120)
+    assert r.returncode == 2, (argv, r.stdout + r.stderr)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and says in lines[0], (argv, r.stderr)
+    assert "Traceback" not in r.stderr and r.stdout == "", (argv, r.stdout)
 
 
 def test_bad_lr_is_refused_before_anything_runs():
     """Every demo trains with Adam: an lr torch.optim.Adam refuses is one line and
     exit code 2, checked before any process is spawned (it used to hang with --rpc)."""
-    for extra, lr in ((["--rpc"], "-1"), (["--zero", "1"], "nan"), ([], "-0.5")):
+    for extra, lr in ((["--rpc"], "-1"), (["--zero", "1"], "nan"), ([], "-0.5"), (["--zero", "2"], "-1")):
         r = _run(["-m", "funcopt", "demo", *extra, "--lr", lr, "--steps", "3", "--no-progress"], timeout=120)
         assert r.returncode == 2, (extra, lr, r.stdout + r.stderr)
         assert r.stderr.strip().splitlines() == [
@@ -75,12 +121,39 @@ def test_bad_lr_is_refused_before_anything_runs():
         assert r.stdout == "", (extra, lr, r.stdout)
 
 
-def test_bench_passes_arguments_through():
+def test_package_never_runs_examples_or_benchmarks():
+    """Everything the command line runs ships in the package: no module of
+    funcopt/ imports, opens or runs a file from examples/ or benchmarks/.
+
+    Flagged: ``runpy``, changes to ``sys.path``, and any string without
+    whitespace (a path, a module name, not prose) naming those directories."""
+    import ast
+
+    offenders = []
+    for path in sorted((ROOT / "funcopt").rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            what = None
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                names = [a.name for a in node.names] + [getattr(node, "module", None) or ""]
+                if any(n.split(".")[0] in ("runpy", "examples", "benchmarks") for n in names):
+                    what = "imports " + ", ".join(n for n in names if n)
+            elif isinstance(node, ast.Attribute) and node.attr in ("run_path", "run_module"):
+                what = node.attr
+            elif (isinstance(node, ast.Attribute) and node.attr == "path" and isinstance(node.value, ast.Name)
+                  and node.value.id == "sys"):
+                what = "sys.path"
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str) and not re.search(r"\s", node.value):
+                if re.search(r"(^|[/\\.])(examples|benchmarks)($|[/\\.])", node.value):
+                    what = repr(node.value)
+            if what:
+                offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}: {what}")
+    assert not offenders, "\n".join(offenders)
+
+
+def test_bench_help():
     r = _run(["-m", "funcopt", "bench", "--help"], timeout=120)
-    assert r.returncode == 0 and "funcopt bench" in r.stdout
-    r = _run(["-m", "funcopt", "bench", "--", "--help"], timeout=240)
-    if (ROOT / "benchmarks" / "step.py").is_file():
-        assert r.returncode == 0, r.stdout + r.stderr
-        assert "step.py" in r.stdout  # the benchmark's own usage line
-    else:
-        assert r.returncode == 2 and "benchmarks/step.py not found" in r.stderr
+    assert r.returncode == 0 and "funcopt bench" in r.stdout and "--quick" in r.stdout, r.stdout + r.stderr
+    for layer in ("step", "zero", "rpc"):
+        r = _run(["-m", "funcopt", "bench", layer, "--help"], timeout=120)
+        assert r.returncode == 0 and f"funcopt bench {layer}" in r.stdout, r.stdout + r.stderr

@@ -1,0 +1,185 @@
+"""``funcopt demo --zero 1|2|3``: the demo MLP trained sharded, checked against one process.
+
+* ``--zero 1``: DDP + :class:`funcopt.distributed.ZeroRedundancyOptimizer`
+  (sharded optimizer state);
+* ``--zero 2``: the same optimizer with ``zero_stage=2`` (sharded state and
+  gradients, no DDP);
+* ``--zero 3``: ``funcopt.distributed.Zero3Sequential`` of ``Zero3Layer``
+  (parameters sharded too) with ``torch.optim.Adam`` over its chunks.
+
+The ranks are ``--world-size`` local gloo processes, or the processes torchrun
+started (see :mod:`funcopt.distributed.launch`).  Rank 0 shows a progress bar,
+prints each rank's parameter, gradient and optimizer-state bytes next to the
+unsharded figures, and the final loss next to a single-process
+``torch.optim.Adam`` run on the same global batches; the exit code is 1 when
+they differ by more than a relative :data:`RTOL`.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from typing import Any, List, Optional
+
+from ._common import H1, H2, IN, make_data, make_model, rank_threads, table, tensor_bytes
+
+# The all-reduce / reduce-scatter sums the per-rank gradient means in another
+# order than one big batch does: the runs differ by rounding (about 1e-7
+# relative here), not bitwise.
+RTOL = 1e-5
+COLLECTIVE_TIMEOUT = 120.0  # seconds per collective
+HOW = {1: "DDP + ZeRO-1 (sharded optimizer state)",
+       2: "ZeRO-2 (sharded optimizer state and gradients, no DDP)",
+       3: "ZeRO-3 (sharded parameters, gradients and optimizer state)"}
+
+
+def zero3_missing() -> Optional[str]:
+    """Why ``--zero 3`` cannot run here (None when it can)."""
+    try:
+        from funcopt.distributed import Zero3Layer, Zero3Sequential  # noqa: F401
+    except ImportError:
+        return "funcopt demo: --zero 3: ZeRO-3 (funcopt.distributed.Zero3Sequential) is not available yet"
+    return None
+
+
+def run(args: argparse.Namespace, world: int) -> int:
+    """Launch the ranks (or join torchrun's); the exit code."""
+    from ..distributed.launch import launch, under_torchrun
+
+    deadline = 120.0 + 5.0 * args.steps + 60.0 * world
+    res = launch(_rank, world, args, timeout=COLLECTIVE_TIMEOUT, deadline=deadline, grace=5.0)
+    if not res.ok:
+        rank = int(os.environ.get("RANK", "0")) if under_torchrun() else 0
+        if rank == 0 or not res.torchrun:
+            print(f"funcopt demo --zero {args.zero}: FAILED: {res.error_line()}", file=sys.stderr)
+        return 1
+    return int(next(iter(res.returns.values())))
+
+
+def _model(torch: Any, stage: int, seed: int) -> Any:
+    model = make_model(seed)
+    if stage != 3:
+        return model
+    from funcopt.distributed import Zero3Layer, Zero3Sequential
+
+    m = list(model)  # Linear, ReLU, Linear, ReLU, Linear: one layer per Linear (+ its activation)
+    return Zero3Sequential([Zero3Layer(torch.nn.Sequential(m[0], m[1])), Zero3Layer(torch.nn.Sequential(m[2], m[3])),
+                            Zero3Layer(m[4])])
+
+
+def _rank(rank: int, world: int, args: argparse.Namespace) -> int:
+    import torch
+    import torch.distributed as dist
+    from tqdm import tqdm
+
+    from funcopt.distributed import ZeroRedundancyOptimizer
+
+    t_start = time.perf_counter()
+    launcher = "torchrun" if "LOCAL_WORLD_SIZE" in os.environ else "spawned"
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    torch.set_num_threads(rank_threads(args.threads, local_world))
+    stage, steps, per_rank = args.zero, args.steps, args.batch_size // world
+    xs, ys = make_data(args.seed, steps, args.batch_size)
+    loss_fn = torch.nn.functional.mse_loss
+    model = _model(torch, stage, args.seed)
+    params = list(model.parameters())
+    n_params = sum(p.numel() for p in make_model(args.seed).parameters())
+    if stage == 3:
+        opt: Any = torch.optim.Adam(params, lr=args.lr)
+        net = model
+    else:
+        opt = ZeroRedundancyOptimizer(params, torch.optim.Adam, zero_stage=stage, lr=args.lr)
+        net = torch.nn.parallel.DistributedDataParallel(model) if stage == 1 else model
+    lo, hi = rank * per_rank, (rank + 1) * per_rank
+    t_built = time.perf_counter()
+    if rank == 0:
+        print(f"funcopt demo --zero {stage}: MLP {IN}-{H1}-{H2}-1 ({n_params:,} parameters), {HOW[stage]}, "
+              f"{world} gloo processes ({launcher}), {steps} steps, global batch {args.batch_size} "
+              f"({per_rank}/rank), Adam lr={args.lr:g}, seed {args.seed}, "
+              f"{torch.get_num_threads()} thread(s)/rank", flush=True)
+    bar = tqdm(range(steps), desc="training", unit="step", file=sys.stderr, disable=args.no_progress or rank != 0)
+    times: List[float] = []
+    grad_bytes = 0
+    for k in bar:
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        loss = loss_fn(net(xs[k, lo:hi]), ys[k, lo:hi])
+        loss.backward()
+        if k == steps - 1:  # what this rank holds after backward
+            grad_bytes = (opt.grad_shard_bytes() if stage == 2
+                          else tensor_bytes(p.grad for p in params if p.grad is not None))
+        opt.step()
+        times.append(time.perf_counter() - t0)
+        if rank == 0 and not args.no_progress and (k % 10 == 0 or k == steps - 1):
+            bar.set_postfix(loss=f"{loss.item():.4g}")
+    bar.close()
+    t_trained = time.perf_counter()
+    if stage == 3:
+        state_bytes = tensor_bytes(t for st in opt.state.values() for t in st.values() if isinstance(t, torch.Tensor))
+        param_bytes = tensor_bytes(params)
+    else:
+        state_bytes = int(opt.state_bytes())
+        param_bytes = tensor_bytes(params)
+    with torch.no_grad():  # the full last batch (ZeRO-3 gathers each layer on every rank)
+        final = loss_fn(model(xs[-1]), ys[-1]).item()
+    full = [p.detach().clone() for p in params] if stage != 3 else None
+    mine = (param_bytes, grad_bytes, state_bytes, statistics.median(times))
+    everyone: List[Any] = [None] * world
+    dist.all_gather_object(everyone, mine)
+    verdict: List[Any] = [None]
+    if rank == 0:
+        verdict[0] = _report(torch, args, world, full, final, everyone)
+        print(f"rank 0 wall time: {t_built - t_start:.1f} s set-up, {t_trained - t_built:.1f} s training, "
+              f"{time.perf_counter() - t_trained:.1f} s single-process reference")
+    dist.broadcast_object_list(verdict, src=0)
+    return int(verdict[0])
+
+
+def _report(torch: Any, args: argparse.Namespace, world: int, full: Optional[List[Any]], final: float,
+            everyone: List[Any]) -> int:
+    """Rank 0: the single-process reference, the memory table, the verdict (exit code)."""
+    xs, ys = make_data(args.seed, args.steps, args.batch_size)
+    ref = make_model(args.seed)
+    ref_params = list(ref.parameters())
+    opt = torch.optim.Adam(ref_params, lr=args.lr)
+    loss_fn = torch.nn.functional.mse_loss
+    ref_grad = 0
+    for k in range(args.steps):
+        opt.zero_grad(set_to_none=True)
+        loss_fn(ref(xs[k]), ys[k]).backward()
+        if k == args.steps - 1:
+            ref_grad = tensor_bytes(p.grad for p in ref_params if p.grad is not None)
+        opt.step()
+    ref_state = tensor_bytes(t for st in opt.state.values() for t in st.values() if isinstance(t, torch.Tensor))
+    ref_param = tensor_bytes(ref_params)
+    with torch.no_grad():
+        ref_final = loss_fn(ref(xs[-1]), ys[-1]).item()
+
+    print()
+    print("per-rank memory after the last backward (bytes; unsharded = single-process torch.optim.Adam):")
+    rows = []
+    for r, (pb, gb, sb, t) in enumerate(everyone):
+        rows.append((r, pb, ref_param, f"{pb / ref_param:.3f}", gb, ref_grad, f"{gb / ref_grad:.3f}",
+                     sb, ref_state, f"{sb / ref_state:.3f}", f"{t * 1e3:.2f}"))
+    for line in table(("rank", "param_bytes", "unsharded_param_bytes", "param_ratio", "grad_bytes",
+                       "unsharded_grad_bytes", "grad_ratio", "state_bytes", "unsharded_state_bytes",
+                       "state_ratio", "median_step_ms"), rows):
+        print(line)
+    sharded = {1: "optimizer state", 2: "optimizer state and gradients",
+               3: "parameters, gradients and optimizer state"}[args.zero]
+    print(f"target per rank: 1/{world} of the unsharded {sharded} (plus padding)")
+    print()
+    rel = abs(final - ref_final) / max(abs(ref_final), 1e-30)
+    ok = rel <= RTOL and final == final
+    print(f"final loss, ZeRO-{args.zero} on {world} ranks:        {final!r}")
+    print(f"final loss, torch.optim.Adam in 1 process: {ref_final!r}")
+    print(f"relative difference: {rel:.2e} (tolerance {RTOL:g}): {'OK' if ok else 'MISMATCH'}")
+    if full is not None:
+        max_diff = max((a - b.detach()).abs().max().item() for a, b in zip(full, ref_params))
+        print(f"max |parameter difference|: {max_diff:.2e}")
+    if not ok:
+        print("funcopt demo: FAILED: the sharded run and the single-process reference diverged", file=sys.stderr)
+        return 1
+    return 0
