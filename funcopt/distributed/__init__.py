@@ -8,5 +8,8 @@ from .bucketer import ReduceScatterBucketer
 from .zero import Layout, Segment, make_layout
 from .rpc import DistributedOptimizer
 from .zero import ZeroRedundancyOptimizer
+from .zero.root3 import Zero3Sequential
+from .zero.stage3 import Zero3Layer
+from .zero.wrap import zero3
 
-__all__ = ["DistributedError", "DistributedOptimizer", "Layout", "ReduceScatterBucketer", "Segment", "ZeroRedundancyOptimizer", "make_layout"]
+__all__ = ["DistributedError", "DistributedOptimizer", "Layout", "ReduceScatterBucketer", "Segment", "Zero3Layer", "Zero3Sequential", "ZeroRedundancyOptimizer", "make_layout", "zero3"]
