@@ -8,7 +8,9 @@ context and apply them.
 
 * A funcopt algorithm (or the matching ``torch.optim`` class) runs scripted:
   on the owner the whole step (gradient lookup and the fused or foreach
-  kernel) is one TorchScript call, which runs without the GIL.
+  kernel) is one TorchScript call, which runs without the GIL.  On a torch
+  where TorchScript does not work, the same funcopt optimizer steps eagerly
+  (same results; one ``EagerFallbackWarning`` per process on the owner).
 * Any other optimizer class (a ``torch.optim`` algorithm funcopt has no
   scripted version of, a custom ``torch.optim.Optimizer`` subclass) runs
   eagerly on the owner, as torch's ``_LocalOptimizer`` does: the context's
@@ -35,7 +37,8 @@ from torch.distributed.rpc.constants import UNSET_RPC_TIMEOUT
 from torch.profiler import record_function
 
 from .. import registry, state_format
-from ..script import quiet_jit, script, script_object
+from . import _local
+from ..script import quiet_jit, script_object
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +65,19 @@ class _Apply:
         for p in self.params:
             grads.append(found.get(p))
         self.core.step(grads, None, None)
+
+
+class _EagerApply:
+    """:class:`_Apply` for a funcopt optimizer stepped eagerly (a torch that cannot script):
+    the same gradient lookup, then the optimizer's own ``step(grads)``."""
+
+    def __init__(self, opt: Any, params: List[Tensor]) -> None:
+        self.opt = opt
+        self.params = params
+
+    def step(self, context_id: int) -> None:
+        found = dist_autograd.get_gradients(context_id)
+        self.opt.step([found.get(p) for p in self.params])
 
 
 _STEP_LOCK = threading.Lock()  # one optimizer step at a time on this worker, whoever the trainer
@@ -104,11 +120,14 @@ class _Shard:
         self._staged: Any = None
         self._prepared: Optional[Tuple[int, Any]] = None  # (seq, undo) of an applied, uncommitted change
         self._aborted: set = set()                          # seqs aborted before their prepare arrived
+        self.compiled = False  # the funcopt optimizer runs scripted (False: eager, where torch cannot script)
         if self.scripted:
             with _STEP_LOCK:  # TorchScript compilation is not safe from concurrent RPC threads
-                self.opt = script(registry.get(optimizer).cls(self.params, *args, **kwargs))
+                cls = registry.get(optimizer).cls
+                self.opt, self.compiled = _local.scripted_or_eager(lambda: cls(self.params, *args, **kwargs),
+                                                                   "DistributedOptimizer")
                 self._core = self.opt.core
-                self.apply = _scripted_apply(self._core, self.params)
+                self.apply = _scripted_apply(self._core, self.params) if self.compiled else _EagerApply(self.opt, self.params)
         else:
             self.opt = optimizer(self.params, *args, **kwargs)  # the class's own errors reach the caller
         with _STEP_LOCK:
@@ -132,8 +151,8 @@ class _Shard:
         """After ``param_groups`` changed: sync them into the core (checked)."""
         if not self.scripted:
             return
-        core = self.opt.core
-        if core is not self._core:
+        core = self.opt.core  # funcopt checks the change here
+        if self.compiled and core is not self._core:
             self._core, self.apply = core, _scripted_apply(core, self.params)
 
     def _apply_hyper(self, hyper: Dict[str, Any]) -> Any:

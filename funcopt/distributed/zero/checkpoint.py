@@ -1,13 +1,22 @@
-"""Sharded optimizer checkpoints through ``torch.distributed.checkpoint``, published atomically.
+"""Sharded checkpoints through ``torch.distributed.checkpoint``, published atomically.
 
-``save_sharded`` has every rank hand DCP (``dcp.save`` with a
-``FileSystemWriter``) only its own pieces of state: each elementwise state
-tensor of a parameter is one 1-D tensor of the parameter's ``numel()``
-elements, of which a rank holds the ranges it owns, at their global offsets
-(a ``DTensor`` over a ``LocalShardsWrapper``, the uneven-shard form DCP
-reshards).  ``load_sharded`` asks DCP for exactly the ranges this rank owns
-now, so a checkpoint loads at any world size and partition, and no rank ever
-holds (or reads) the whole state.
+One checkpoint layer for every ZeRO stage.  ``save_sharded`` has every rank
+hand DCP (``dcp.save`` with a ``FileSystemWriter``) only its own pieces: each
+sharded tensor is one 1-D tensor of its global number of elements, of which a
+rank holds the ranges it owns, at their global offsets (a ``DTensor`` over a
+``LocalShardsWrapper``, the uneven-shard form DCP reshards).  ``load_sharded``
+asks DCP for exactly the ranges this rank owns now, so a checkpoint loads at
+any world size (and, for ZeRO-1/2, any partition), and no rank ever holds (or
+reads) the whole state.
+
+What is saved:
+
+* a :class:`~funcopt.distributed.ZeroRedundancyOptimizer` (ZeRO-1/2): its
+  optimizer state and hyperparameters (format ``funcopt-zero-dcp-v2``);
+* a ZeRO-3 root (``Zero3Sequential`` or what ``zero3`` returns): its
+  parameter chunks and buffers, and given an optimizer over
+  ``model.parameters()``, that optimizer's state and hyperparameters (format
+  ``funcopt-zero3-dcp-v1``).
 
 Atomicity: DCP writes into a temporary directory; when every rank has written
 and checksummed its files, rank 0 renames it to ``save-<id>`` and publishes the
@@ -23,8 +32,8 @@ Layout on disk::
     path/save-<id>/.metadata      # DCP's metadata
     path/save-<id>/__<r>_0.distcp # rank r's pieces (and, for rank 0, the param groups)
 
-Offline, the committed save converts to one ``torch.optim`` state dict with
-DCP's own ``dcp_to_torch_save`` plus :func:`to_torch_state_dict`.
+Offline, a committed ZeRO-1/2 save converts to one ``torch.optim`` state dict
+with DCP's own ``dcp_to_torch_save`` plus :func:`to_torch_state_dict`.
 """
 from __future__ import annotations
 
@@ -41,21 +50,20 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 from torch.profiler import record_function
 
-from ... import state_format
 from .. import _comm
 from .._comm import DistributedError
+from . import _ckpt3, _ckpt12
 
-FORMAT = "funcopt-zero-dcp-v2"
+FORMAT = _ckpt12.FORMAT
+FORMAT3 = _ckpt3.FORMAT
+_FORMATS = {FORMAT: _ckpt12.check_record, FORMAT3: _ckpt3.check_record}
 COMMIT = "COMMIT.json"
 SAVE_PREFIX = "save-"
 TMP_PREFIX = ".tmp-save-"
 _ID = re.compile(r"^[0-9a-f]{32}$")
 _FILE = re.compile(r"^(\.metadata|__\d+_\d+\.distcp)$")
-_STATE_KEY = re.compile(r"^state\.(\d+)\.([A-Za-z_][A-Za-z0-9_]*)$")
-_GROUP_KEY = re.compile(r"^param_groups\.(\d+)\.([A-Za-z_][A-Za-z0-9_]*)$")
 _MAX_RECORD = 64 << 20
 # DCP's CheckpointException (every rank's failures, raised on every rank) is a BaseException
 _FAILURES = (Exception, CheckpointException)
@@ -100,24 +108,6 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def _params(opt: Any) -> List[torch.Tensor]:
-    return [p for g in opt.param_groups for p in g["params"]]
-
-
-def _describe(opt: Any) -> Dict[str, Any]:
-    """What a checkpoint must match (JSON-friendly)."""
-    return {
-        "algorithm": opt.algorithm(),
-        "params": [[list(p.shape), str(p.dtype)] for p in _params(opt)],
-        "group_sizes": [len(g["params"]) for g in opt.param_groups],
-    }
-
-
-def _torch_groups(opt: Any) -> List[Dict[str, Any]]:
-    """``param_groups`` in torch.optim's state-dict form (as ``consolidate_state_dict`` gives)."""
-    return state_format.pack_groups(opt.param_groups)
-
-
 class _Meshes:
     """1-D device meshes over ``group``, one per device type of the local tensors (DTensor
     would copy a local tensor to its mesh's device type, and a load must land in ours)."""
@@ -133,41 +123,31 @@ class _Meshes:
         return self.meshes[device.type]
 
 
-def _sharded(local: torch.Tensor, start: int, numel: int, meshes: _Meshes) -> torch.Tensor:
-    """Elements ``[start, start + len(local))`` of a 1-D tensor of ``numel`` elements, as DCP sees it."""
-    from torch.distributed.tensor import DTensor, Shard
-    from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
-    wrapped = LocalShardsWrapper([local], [(start,)])
-    return DTensor.from_local(wrapped, meshes(local.device), [Shard(0)], run_check=False,
-                              shape=torch.Size([numel]), stride=(1,))
+def _sharder(group: Any) -> Any:
+    """``sharded(local, start, numel)``: elements ``[start, start + len(local))`` of a 1-D
+    tensor of ``numel`` elements, as DCP sees it (a DTensor over a LocalShardsWrapper)."""
+    meshes = _Meshes(group)
+
+    def sharded(local: torch.Tensor, start: int, numel: int) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor, Shard
+        from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
+        wrapped = LocalShardsWrapper([local], [(start,)])
+        return DTensor.from_local(wrapped, meshes(local.device), [Shard(0)], run_check=False,
+                                  shape=torch.Size([numel]), stride=(1,))
+    return sharded
+
+
+def _target(obj: Any, optimizer: Any) -> Any:
+    """The checkpoint target: what :mod:`._ckpt12` / :mod:`._ckpt3` make of ``obj``."""
+    if callable(getattr(obj, "sharded_chunks", None)):
+        return _ckpt3.Zero3Shards(obj, optimizer)
+    if optimizer is not None:
+        raise TypeError("save_sharded/load_sharded(opt, path): optimizer= is for ZeRO-3 models; a "
+                        "ZeroRedundancyOptimizer is the optimizer")
+    return _ckpt12.ZeroShards(obj)
 
 
 # --------------------------------------------------------------------- save
-def _save_state_dict(opt: Any, save_id: Optional[str]) -> Dict[str, Any]:
-    params = _params(opt)
-    meshes = _Meshes(opt.process_group)
-    state: Dict[int, Dict[str, torch.Tensor]] = {}
-    for i, start, length, entry in opt.shard_state():
-        numel = params[i].numel()
-        out = state.setdefault(i, {})
-        for name, t in entry.items():
-            if not isinstance(t, torch.Tensor) or t.dim() == 0:
-                out[name] = t  # replicated on every rank holding a piece of parameter i
-            elif t.numel() != length:
-                raise ValueError(f"state '{name}' of parameter {i} has {t.numel()} elements, not one per "
-                                 f"element of the parameter ({length} here): cannot be sharded")
-            elif numel == 0:
-                out[name] = t.reshape(0)
-            else:
-                out[name] = _sharded(t.reshape(-1), start, numel, meshes)
-    sd: Dict[str, Any] = {"state": state}
-    if opt.rank == 0:
-        sd["param_groups"] = _torch_groups(opt)
-        sd["funcopt"] = {"format": FORMAT, "save_id": save_id, "algorithm": opt.algorithm(),
-                         "shapes": [tuple(p.shape) for p in params]}
-    return sd
-
-
 def _own_files(tmp: str, rank: int) -> Dict[str, Dict[str, Any]]:
     mine = {}
     for name in sorted(os.listdir(tmp)):
@@ -218,33 +198,43 @@ def _discard(path: str, save_id: str) -> None:
         shutil.rmtree(os.path.join(path, SAVE_PREFIX + save_id), ignore_errors=True)
 
 
-def save_sharded(opt: Any, path: str) -> None:
-    """Write ``opt``'s state under directory ``path``, each rank its own pieces.
+def save_sharded(obj: Any, path: str, optimizer: Any = None) -> None:
+    """Write ``obj``'s shards under directory ``path``, each rank its own pieces.
 
-    The save becomes visible at once, when its commit record replaces the
-    previous one; an existing checkpoint at ``path`` stays loadable until then.
-    One save at a time per ``path``.
+    ``obj`` is a ``ZeroRedundancyOptimizer`` (its state), or a ZeRO-3 root
+    (its chunks and buffers, and ``optimizer``'s state when given: an optimizer
+    over ``obj.parameters()``).  The save becomes visible at once, when its
+    commit record replaces the previous one; an existing checkpoint at
+    ``path`` stays loadable until then.  One save at a time per ``path``.
+
+    Args:
+      obj: what to save (see above).
+      path: a directory (created if missing).
+      optimizer: ZeRO-3 only; default ``None`` (the model alone).
 
     Raises:
       DistributedError: on every rank, with the same message, if any rank
         failed (full disk, permissions, any exception); the checkpoint that
         was committed before (if any) is still the one ``path`` holds.
 
-    .. warning:: collective: call on every rank of ``opt``'s process group.
+    .. warning:: collective: call on every rank of ``obj``'s process group.
     """
-    group = opt.process_group
+    target = _target(obj, optimizer)
+    group = target.process_group
     what = f"save_sharded({path!r})"
     with record_function("funcopt::zero/save_sharded"):
         # everything that can fail locally before DCP's collectives is agreed on first:
         # a rank must never leave while its peers wait inside dcp.save
         error, save_id, sd, created = None, None, None, None
         try:
-            if opt.rank == 0:
+            if target.rank == 0:
                 save_id = uuid.uuid4().hex
                 os.makedirs(path, exist_ok=True)
                 os.mkdir(os.path.join(path, TMP_PREFIX + save_id))
                 created = os.path.join(path, TMP_PREFIX + save_id)
-            sd = _save_state_dict(opt, save_id)
+            sd = target.save_dict(_sharder(group))
+            if target.rank == 0:
+                sd.setdefault("funcopt", {}).update(format=target.format, save_id=save_id)
         except _FAILURES as e:
             error = _what(e)
         try:
@@ -255,16 +245,16 @@ def save_sharded(opt: Any, path: str) -> None:
                 try:
                     dcp.save(sd, storage_writer=FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True),
                              process_group=group)
-                    files = _own_files(tmp, opt.rank)
+                    files = _own_files(tmp, target.rank)
                 except _FAILURES as e:
                     error = _what(e)
                 parts = _agree(group, error, what, files)
             error = None
             with record_function("funcopt::zero/save_sharded/publish"):
-                if opt.rank == 0:
+                if target.rank == 0:
                     try:
-                        record = dict(_describe(opt), format=FORMAT, save_id=save_id, dir=SAVE_PREFIX + save_id,
-                                      world_size=opt.world_size, partition=opt.partition,
+                        record = dict(target.describe(), format=target.format, save_id=save_id,
+                                      dir=SAVE_PREFIX + save_id, world_size=target.world_size,
                                       files={k: v for part in parts for k, v in part.items()})
                         _publish(path, save_id, record)
                     except _FAILURES as e:
@@ -298,17 +288,11 @@ def read_record(path: str) -> Dict[str, Any]:
             raise ValueError(f"malformed commit record {file}: {what}")
 
     need(isinstance(rec, dict), "not an object")
-    need(rec.get("format") == FORMAT, f"format {rec.get('format')!r}, expected {FORMAT!r}")
+    need(rec.get("format") in _FORMATS, f"format {rec.get('format')!r}, expected one of {sorted(_FORMATS)}")
     need(isinstance(rec.get("save_id"), str) and bool(_ID.match(rec["save_id"])), "bad save_id")
     need(rec.get("dir") == SAVE_PREFIX + rec["save_id"], "dir does not name the save")
-    need(isinstance(rec.get("algorithm"), str), "bad algorithm")
     need(isinstance(rec.get("world_size"), int) and rec["world_size"] >= 1, "bad world_size")
-    need(isinstance(rec.get("partition"), str), "bad partition")
-    need(isinstance(rec.get("params"), list) and all(
-        isinstance(p, list) and len(p) == 2 and isinstance(p[0], list) and all(isinstance(d, int) and d >= 0 for d in p[0])
-        and isinstance(p[1], str) for p in rec["params"]), "bad params")
-    need(isinstance(rec.get("group_sizes"), list) and all(isinstance(n, int) and n >= 0 for n in rec["group_sizes"])
-         and sum(rec["group_sizes"]) == len(rec["params"]), "bad group_sizes")
+    _FORMATS[rec["format"]](rec, need)
     files = rec.get("files")
     need(isinstance(files, dict) and ".metadata" in files, "bad files")
     for name, info in files.items():
@@ -348,106 +332,52 @@ def _verify(path: str, rank: int, world: int) -> Tuple[Dict[str, Any], str]:
     return rec, save_dir
 
 
-def _match(opt: Any, rec: Dict[str, Any]) -> None:
-    mine = _describe(opt)
-    if rec["algorithm"] != mine["algorithm"]:
-        raise ValueError(f"checkpoint is for {rec['algorithm']}, optimizer is {mine['algorithm']}")
-    if rec["params"] != mine["params"]:
-        raise ValueError(f"checkpoint parameters differ from the optimizer's ({len(rec['params'])} saved, "
-                         f"{len(mine['params'])} here, or different shapes/dtypes): another model?")
-    if rec["group_sizes"] != mine["group_sizes"]:
-        raise ValueError(f"checkpoint param groups {rec['group_sizes']} differ from the optimizer's {mine['group_sizes']}")
-
-
-def _load_request(opt: Any, metadata: Any) -> Tuple[Dict[str, Any], List[Tuple[int, int, int, Dict[str, torch.Tensor]]]]:
-    """What this rank asks DCP for (its ranges of every saved state tensor, the groups), and the
-    pieces those buffers form once loaded."""
-    params = _params(opt)
-    meshes = _Meshes(opt.process_group)
-    saved: Dict[int, Dict[str, Any]] = {}
-    request: Dict[str, Any] = {}
-    for key, md in metadata.state_dict_metadata.items():
-        m = _STATE_KEY.match(key)
-        if m:
-            i = int(m.group(1))
-            if i >= len(params):
-                raise ValueError(f"checkpoint entry {key!r} names no parameter")
-            if isinstance(md, TensorStorageMetadata) and tuple(md.size) not in ((), (params[i].numel(),)):
-                raise ValueError(f"checkpoint entry {key!r} has shape {tuple(md.size)}, expected () or "
-                                 f"({params[i].numel()},)")
-            saved.setdefault(i, {})[m.group(2)] = md
-        elif _GROUP_KEY.match(key) or key.startswith("funcopt."):
-            if not isinstance(md, BytesStorageMetadata):
-                raise ValueError(f"checkpoint entry {key!r} is not a plain value")
-            request[key] = None
-        else:
-            raise ValueError(f"unexpected checkpoint entry {key!r}")
-    if "funcopt.save_id" not in request:
-        raise ValueError("the checkpoint lacks its save id")
-    pieces = []
-    for param, start, length in opt.owned_ranges():
-        p = params[param]
-        entry = {}
-        for name, md in saved.get(param, {}).items():
-            key = f"state.{param}.{name}"
-            if isinstance(md, BytesStorageMetadata):  # a plain value (an eagerly run class's state)
-                request[key] = None
-                entry[name] = key
-                continue
-            if len(md.size) == 0 or p.numel() == 0:
-                buf = torch.empty(tuple(md.size), dtype=md.properties.dtype, device=p.device)
-                request[key] = buf
-            else:
-                buf = torch.empty(length, dtype=md.properties.dtype, device=p.device)
-                request[key] = _sharded(buf, start, p.numel(), meshes)
-            entry[name] = buf
-        if entry:
-            pieces.append((param, start, length, entry))
-    return request, pieces
-
-
-def _groups(request: Dict[str, Any], count: int) -> List[Dict[str, Any]]:
-    groups: List[Dict[str, Any]] = [{} for _ in range(count)]
-    for key, value in request.items():
-        m = _GROUP_KEY.match(key)
-        if m:
-            g = int(m.group(1))
-            if g >= count:
-                raise ValueError(f"checkpoint has hyperparameters for param group {g}, optimizer has {count}")
-            groups[g][m.group(2)] = value
-    return groups
-
-
-def load_sharded(opt: Any, path: str) -> None:
-    """Load the committed save at ``path`` (written by :func:`save_sharded` at any world size
-    and partition) into ``opt``: its state and its hyperparameters.
+def load_sharded(obj: Any, path: str, optimizer: Any = None) -> None:
+    """Load the committed save at ``path`` (written by :func:`save_sharded` at any world size)
+    into ``obj`` (and ``optimizer``, ZeRO-3 only).
 
     Only a complete, committed save is accepted: every file must match the
     commit record (size and checksum; each rank checksums a share of the files)
-    and the checkpoint must be for the same algorithm, parameter shapes and
-    dtypes, and group sizes.
+    and the checkpoint must be for the same kind of object and the same model
+    (ZeRO-1/2: algorithm, parameter shapes and dtypes, group sizes; ZeRO-3:
+    chunk names, sizes and dtypes, the parameters in them, buffers, and the
+    optimizer's algorithm and groups when one is given).
+
+    Args:
+      obj: a ``ZeroRedundancyOptimizer`` or a ZeRO-3 root, as saved.
+      path: the checkpoint directory.
+      optimizer: ZeRO-3 only; default ``None`` (the model alone; a saved
+        optimizer state is then ignored).
 
     Raises:
       DistributedError: on every rank, with the same message, if any rank
         found a problem; no rank has changed anything.
 
-    .. warning:: collective: call on every rank of ``opt``'s process group.
+    .. warning:: collective: call on every rank of ``obj``'s process group.
     """
-    group = opt.process_group
+    target = _target(obj, optimizer)
+    group = target.process_group
     what = f"load_sharded({path!r})"
     with record_function("funcopt::zero/load_sharded"):
         error, plan = None, None
         with record_function("funcopt::zero/load_sharded/verify"):
             try:
-                rec, save_dir = _verify(path, opt.rank, opt.world_size)
-                _match(opt, rec)
+                rec, save_dir = _verify(path, target.rank, target.world_size)
+                if rec["format"] != target.format:
+                    raise ValueError(f"{path} holds a {_KIND[rec['format']]} checkpoint ({rec['format']}), "
+                                     f"this is a {_KIND[target.format]} ({target.format})")
+                target.match(rec)
                 metadata = FileSystemReader(save_dir).read_metadata()
-                plan = (rec, save_dir) + _load_request(opt, metadata)
+                request, ctx = target.request(metadata, _sharder(group))
+                if "funcopt.save_id" not in metadata.state_dict_metadata:
+                    raise ValueError("the checkpoint lacks its save id")
+                request["funcopt.save_id"] = None
+                plan = (rec, save_dir, request, ctx)
             except _FAILURES as e:
                 error = _what(e)
             _agree(group, error, what)
         assert plan is not None
-        rec, save_dir, request, pieces = plan
+        rec, save_dir, request, ctx = plan
         error, staged = None, None
         with record_function("funcopt::zero/load_sharded/read"):
             try:
@@ -456,13 +386,14 @@ def load_sharded(opt: Any, path: str) -> None:
                 if request.get("funcopt.save_id") != rec["save_id"]:
                     raise ValueError(f"{save_dir} holds save {request.get('funcopt.save_id')!r}, "
                                      f"the commit record names {rec['save_id']!r}")
-                pieces = [(i, a, n, {k: (request[v] if isinstance(v, str) else v) for k, v in e.items()})
-                          for i, a, n, e in pieces]
-                staged = opt.stage_shard_state(pieces, _groups(request, len(opt.param_groups)))
+                staged = target.stage(request, ctx)
             except _FAILURES as e:
                 error = _what(e)
             _agree(group, error, what)
-        opt.commit_shard_state(staged)
+        target.commit(staged)
+
+
+_KIND = {FORMAT: "ZeRO-1/2 optimizer", FORMAT3: "ZeRO-3 model"}
 
 
 # ------------------------------------------------------------------ offline

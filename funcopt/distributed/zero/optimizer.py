@@ -69,7 +69,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
       params: tensors or param-group dicts, identical on every rank.
       optimizer_class: a funcopt class or the matching ``torch.optim`` class
         (mapped through the registry: the shard steps through the funcopt
-        core, scripted, fused where available), or any other
+        core, scripted, fused where available; eagerly, with one
+        ``EagerFallbackWarning``, where this torch cannot script), or any other
         ``torch.optim.Optimizer`` subclass (run eagerly over this rank's
         whole parameters, as torch does).
       process_group: default: the world.
