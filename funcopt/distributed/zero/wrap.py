@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 from .root3 import Zero3Root
-from .stage3 import Zero3Layer, owned_parameters
+from .schedule3 import owned_parameters
+from .stage3 import Zero3Layer
 
 WrapPolicy = Union[None, type, Iterable[type], Callable[[nn.Module], bool]]
 
