@@ -17,7 +17,8 @@ from torch import Tensor, nn
 from torch.profiler import record_function
 
 from .._comm import agree, comm_device, rank_and_size
-from .stage3 import ChunkInfo, Zero3Layer, Zero3Schedule
+from .schedule3 import ChunkInfo, Zero3Schedule
+from .stage3 import Zero3Layer
 
 
 class Zero3Root:
@@ -149,7 +150,7 @@ class Zero3Root:
     def sharded_chunks(self) -> List[ChunkInfo]:
         """This rank's chunks with their place in the global flats (no communication).
 
-        One :class:`~funcopt.distributed.zero.stage3.ChunkInfo` per chunk, named
+        One :class:`~funcopt.distributed.zero.schedule3.ChunkInfo` per chunk, named
         by its name in ``named_parameters()`` (so in the optimizer's order):
         ``offset``/``length`` place the local chunk in the padded global flat,
         ``valid`` says how many of its elements are real, ``numel`` is the
