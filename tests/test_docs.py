@@ -5,7 +5,7 @@
   itself or the module that defines it).
 * Every relative link in ``README.md`` and ``docs/*.md`` points at a file that
   exists, and every ``#anchor`` into a Markdown file at one of its headings.
-* The snippets of ``docs/migration.md`` and ``docs/limits.md`` run:
+* The snippets of ``docs/migration.md``, ``docs/limits.md`` and ``README.md`` run:
   a fenced ``python`` block preceded by
 
   - ``<!-- doctest: run -->`` must run without an exception;
@@ -153,7 +153,7 @@ def _snippets(page: str) -> List[Tuple[str, Optional[int], str, Optional[str], i
     return out
 
 
-_SNIPPET_PAGES = ("migration.md", "limits.md")
+_SNIPPET_PAGES = ("migration.md", "limits.md", "../README.md")   # relative to docs/
 
 # Runs a page's snippets of one kind in order in one interpreter (one torch
 # import instead of one per snippet); each snippet is a file run as __main__.
@@ -228,21 +228,24 @@ def _run_ranks(world: int, jobs: list, cwd: Path, tag: str, timeout: float) -> T
 
 @pytest.mark.timeout(600)
 def test_snippets(tmp_path: Path):
-    """Every page's snippets, in page order; all pages in one run per world size."""
+    """Every page's snippets, in page order: the single-process ones of all pages in one
+    interpreter, the N-process ones in one set of N per page (torch's RPC keeps its first
+    agent for RRefs, so two pages' RPC snippets cannot share a process)."""
     snippets = [(page,) + sn for page in _SNIPPET_PAGES for sn in _snippets(page)]
-    groups: Dict[int, list] = {}
+    groups: Dict[Tuple[int, str], list] = {}
     for i, (page, kind, world, code, expected, line) in enumerate(snippets):
         script = tmp_path / f"snippet_{i}.py"   # a file: TorchScript reads the source of what it compiles
         script.write_text(code)
         port = str(_free_port()) if world else ""
-        groups.setdefault(world or 1, []).append((i, [str(script), kind, port]))
-    for world, items in sorted(groups.items()):
-        codes, logs, results = _run_ranks(world, [job for _, job in items], tmp_path, f"world{world}", 480)
+        key = (world, str(_SNIPPET_PAGES.index(page))) if world else (1, "")
+        groups.setdefault(key, []).append((i, [str(script), kind, port]))
+    for (world, tag), items in sorted(groups.items()):
+        codes, logs, results = _run_ranks(world, [job for _, job in items], tmp_path, f"world{world}{tag}", 480)
         for rank in range(world):
             res = results[rank] or []
             for n, (i, _) in enumerate(items):
                 page, kind, _, _, expected, line = snippets[i]
-                where = f"docs/{page}:{line} (rank {rank} of {world})"
+                where = f"{(DOCS / page).resolve().relative_to(ROOT)}:{line} (rank {rank} of {world})"
                 assert n < len(res), f"{where}: did not finish (exit {codes[rank]}):\n{logs[rank][-4000:]}"
                 r = res[n]
                 if kind == "raises":
