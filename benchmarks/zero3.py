@@ -1,10 +1,10 @@
 #!/usr/bin/env python
 """ZeRO-3 per-rank memory and iteration time: funcopt against DDP and torch's FSDP2.
 
-The script launches its own ``--world-size`` processes (``torch.multiprocessing``
-spawn, gloo, ``file://`` rendezvous; ``--world-size 2,4`` runs W=2, then W=4),
-or, when ``RANK`` / ``WORLD_SIZE`` are set (``torchrun``), joins the group from
-the environment.  Every process builds the same model -- a stack of
+The script launches its own ``--world-size`` processes through
+``funcopt.distributed.launch`` (spawn, gloo, ``file://`` rendezvous, a timeout
+on every collective; ``--world-size 2,4`` runs W=2, then W=4), or, under
+``torchrun``, joins the group from the environment.  Every process builds the same model -- a stack of
 ``--layers`` ``nn.TransformerEncoderLayer(d_model, heads, ffn, dropout=0,
 batch_first=True, norm_first=True)`` -- and one copy of it per peer; every peer
 sees the same synthetic batches (each rank its slice of the global batch,
@@ -79,20 +79,16 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime
 import json
 import os
 import platform
-import shutil
 import statistics
 import sys
-import tempfile
 import time
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -292,17 +288,7 @@ def profile_peer(peer: Peer, batches: List[Tuple[torch.Tensor, torch.Tensor]], o
 
 
 # ------------------------------------------------------------------------ worker
-def worker(rank: int, world: int, init_method: str, args: argparse.Namespace) -> None:
-    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=args.timeout))
-    try:
-        run(rank, world, args)
-    finally:
-        dist.destroy_process_group()
-
-
 def run(rank: int, world: int, args: argparse.Namespace) -> None:
-    torch.set_num_threads(args.threads)
     say = print if rank == 0 else (lambda *a, **k: None)
     keys = [k.strip() for k in args.peers.split(",") if k.strip()]
     for k in keys:
@@ -546,15 +532,11 @@ def main(argv: Optional[List[str]] = None) -> None:
     args = parse_args(argv)
     # every tensor of 128 KiB or more its own mapping, unmapped when freed: RSS follows live tensors
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), "env://", args)
-        return
-    for world in [int(w) for w in str(args.world_size).split(",") if w.strip()]:
-        tmp = tempfile.mkdtemp(prefix="funcopt_zero3_bench_")
-        try:
-            mp.spawn(worker, args=(world, f"file://{tmp}/rdzv", args), nprocs=world, join=True)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+    from funcopt.distributed.launch import launch, under_torchrun
+
+    worlds = [1] if under_torchrun() else [int(w) for w in str(args.world_size).split(",") if w.strip()]
+    for world in worlds:
+        launch(run, world, args, timeout=args.timeout, deadline=None, grace=30, threads=args.threads).check()
 
 
 if __name__ == "__main__":
