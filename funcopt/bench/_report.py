@@ -1,6 +1,7 @@
 """Ratios with their spread, targets judged on the whole spread, the summary table."""
 from __future__ import annotations
 
+import os
 import statistics
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -53,3 +54,60 @@ def print_summary(rows: List[Dict[str, Any]], title: str = "summary") -> None:
     if notes:
         print("notes:")
         print("\n".join(notes))
+
+
+_KINETO_LINE = None
+
+
+def _kineto_line(line: str) -> bool:
+    """A log line torch's profiler (libkineto) writes straight to fd 2, e.g. ``USDT:2026-... profiler_start``."""
+    import re
+
+    global _KINETO_LINE
+    if _KINETO_LINE is None:
+        _KINETO_LINE = re.compile(r"^(USDT|STAGE|INFO|WARNING|ERROR|[IWE]\d{4}):?\s?\d{4}-\d\d-\d\d .*\.cpp:\d+\]")
+    return bool(_KINETO_LINE.match(line))
+
+
+class quiet_profiler:
+    """Around a torch.profiler session: torch's profiler notices stay out of the output.
+
+    Drops (a) the profiler's Python ``UserWarning`` about clearing events per
+    cycle and (b) libkineto's log lines, which C++ writes to file descriptor 2
+    (``USDT:... profiler_start``): fd 2 goes to a temporary file while the
+    block runs, and every other line in it is written back to stderr after."""
+
+    def __enter__(self) -> "quiet_profiler":
+        import tempfile
+        import warnings
+
+        self._warn = warnings.catch_warnings()
+        self._warn.__enter__()
+        warnings.filterwarnings("ignore", message=r".*Profiler clears events at the end of each cycle",
+                                category=UserWarning)
+        sys_stderr_flush()
+        self._tmp = tempfile.TemporaryFile(mode="w+b")
+        self._saved = os.dup(2)
+        os.dup2(self._tmp.fileno(), 2)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        sys_stderr_flush()
+        os.dup2(self._saved, 2)
+        os.close(self._saved)
+        self._tmp.seek(0)
+        kept = [ln for ln in self._tmp.read().decode(errors="replace").splitlines(keepends=True)
+                if not _kineto_line(ln)]
+        self._tmp.close()
+        self._warn.__exit__(*exc)
+        if kept:
+            import sys
+
+            sys.stderr.write("".join(kept))
+            sys.stderr.flush()
+
+
+def sys_stderr_flush() -> None:
+    import sys
+
+    sys.stderr.flush()

@@ -1,0 +1,302 @@
+"""The cases, the peers and the interleaved timing of ``funcopt bench step`` (see :mod:`funcopt.bench.step`)."""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import importlib
+import math
+import os
+import statistics
+import time
+import warnings
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+import funcopt
+from funcopt.script import quiet_jit
+
+Step = Callable[[], Any]
+
+# --------------------------------------------------------------------------- cases
+ALGOS: Dict[str, Dict[str, Any]] = {
+    # name: hyperparameters (torch.optim kwargs), bytes a step must move per fp32 param
+    "Adam": dict(kw=dict(lr=1e-3), bytes=28, functional=("functional_adam", "_FunctionalAdam")),
+    "AdamW": dict(kw=dict(lr=1e-3, weight_decay=1e-2), bytes=28,
+                  functional=("functional_adamw", "_FunctionalAdamW")),
+    # read p, g, buf; write p, buf
+    "SGD": dict(kw=dict(lr=1e-2, momentum=0.9), bytes=20, functional=("functional_sgd", "_FunctionalSGD")),
+    # read p, g, sum; write p, sum
+    "Adagrad": dict(kw=dict(lr=1e-2), bytes=20, functional=("functional_adagrad", "_FunctionalAdagrad")),
+}
+DEFAULT_SIZES = "1M,16M,64M,tiny"
+TINY_COUNT, TINY_NUMEL = 2000, 1024
+# peers left out at or above this many parameters unless --all-peers (time, not memory)
+HEAVY_PEERS = ("funcopt eager foreach", "funcopt eager fused", "torch.optim for-loop")
+HEAVY_NUMEL = 48 * 2**20
+
+
+def parse_size(s: str) -> int:
+    s = s.strip()
+    if s == "tiny":
+        return -1
+    mult = {"K": 2**10, "M": 2**20, "G": 2**30}.get(s[-1].upper(), 1)
+    return int(float(s[:-1] if mult != 1 else s) * mult)
+
+
+def transformer_shapes(target: int) -> List[Tuple[int, ...]]:
+    """Shapes of a small transformer summing to ~``target`` fp32 params.
+
+    Per layer: qkv [3d,d]+[3d], out [d,d]+[d], 2 layernorms [d]x2, MLP
+    [4d,d]+[4d], [d,4d]+[d]; an embedding [V,d] takes up the remainder and a
+    final layernorm closes it.
+    """
+    d = 128 if target < 4 * 2**20 else 512 if target < 32 * 2**20 else 1024 if target < 256 * 2**20 else 2048
+    layer = [(3 * d, d), (3 * d,), (d, d), (d,), (d,), (d,), (4 * d, d), (4 * d,), (d, 4 * d), (d,), (d,), (d,)]
+    per = sum(math.prod(s) for s in layer)
+    n_layers = max(1, (target - 2 * d) // per)
+    rows = max(1, (target - n_layers * per - 2 * d) // d)
+    return [(rows, d)] + layer * n_layers + [(d,), (d,)]
+
+
+def case_shapes(size: str) -> List[Tuple[int, ...]]:
+    n = parse_size(size)
+    return [(TINY_NUMEL,)] * TINY_COUNT if n < 0 else transformer_shapes(n)
+
+
+def make_tensors(shapes: Sequence[Tuple[int, ...]], seed: int, scale: float) -> List[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=g).mul_(scale) for s in shapes]
+
+
+def fmt_numel(n: int) -> str:
+    return f"{n / 2**20:.2f}M" if n >= 2**20 else f"{n / 2**10:.0f}K"
+
+
+# --------------------------------------------------------------------------- peers
+def funcopt_peer(algo: str, impl: str, scripted: bool) -> Callable[..., Tuple[Optional[Step], str]]:
+    def build(params: List[torch.Tensor], grads: List[torch.Tensor]) -> Tuple[Optional[Step], str]:
+        cls = getattr(funcopt, algo, None)
+        if cls is None:
+            return None, f"funcopt.{algo} does not exist (yet) in this checkout"
+        opt = cls(params, impl=impl, **ALGOS[algo]["kw"])
+        if scripted:
+            opt = funcopt.script(opt)
+        return (lambda: opt.step(grads)), ""
+
+    return build
+
+
+def torch_peer(algo: str, mode: str) -> Callable[..., Tuple[Optional[Step], str]]:
+    def build(params: List[torch.Tensor], grads: List[torch.Tensor]) -> Tuple[Optional[Step], str]:
+        leaves = [p.requires_grad_() for p in params]
+        for p, g in zip(leaves, grads):
+            p.grad = g  # shared, read-only for these hyperparameters (checked after timing)
+        flags = dict(foreach=False, fused=False) if mode == "loop" else {mode: True}
+        try:
+            opt = getattr(torch.optim, algo)(leaves, **ALGOS[algo]["kw"], **flags)
+        except (RuntimeError, ValueError, TypeError) as e:
+            return None, f"torch.optim.{algo}({mode}=True) refused: {e}"
+        return opt.step, ""
+
+    return build
+
+
+@contextlib.contextmanager
+def quiet_functional_deprecation() -> Any:
+    """Drop torch's "TorchScript support for functional optimizers is deprecated"
+    (torch forces it with simplefilter("always"), so a filter cannot stop it)."""
+    orig = warnings.showwarning
+
+    def show(message: Any, category: Any, filename: str, lineno: int, file: Any = None, line: Any = None) -> None:
+        if "functional optimizers is deprecated" not in str(message):
+            orig(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = show
+    try:
+        yield
+    finally:
+        warnings.showwarning = orig
+
+
+def functional_peer(algo: str) -> Callable[..., Tuple[Optional[Step], str]]:
+    def build(params: List[torch.Tensor], grads: List[torch.Tensor]) -> Tuple[Optional[Step], str]:
+        mod, name = ALGOS[algo]["functional"]
+        try:
+            with quiet_functional_deprecation(), quiet_jit():  # torch's notices, where we script
+                cls = getattr(importlib.import_module("torch.distributed.optim." + mod), name)
+                f = torch.jit.script(cls(params, **ALGOS[algo]["kw"]))
+        except Exception as e:  # not built with distributed, or not scriptable here
+            return None, f"torch.distributed.optim.{mod}.{name} unavailable: {type(e).__name__}: {e}"
+        glist: List[Optional[torch.Tensor]] = list(grads)
+        return (lambda: f.step(glist)), ""
+
+    return build
+
+
+def aten_peer(algo: str) -> Callable[..., Tuple[Optional[Step], str]]:
+    """The ATen fused kernel called directly from Python on prebuilt lists."""
+
+    def build(params: List[torch.Tensor], grads: List[torch.Tensor]) -> Tuple[Optional[Step], str]:
+        kw = ALGOS[algo]["kw"]
+        z = lambda: [torch.zeros_like(p) for p in params]  # noqa: E731
+        steps = [torch.zeros(()) for _ in params]
+        one = torch.ones(())  # the one-tensor overload, as funcopt and torch.optim bump CPU step counters
+        if algo in ("Adam", "AdamW"):
+            m, v = z(), z()
+            op = torch._fused_adamw_ if algo == "AdamW" else torch._fused_adam_
+            wd = kw.get("weight_decay", 0.0)
+
+            def step() -> None:
+                torch._foreach_add_(steps, one, alpha=1.0)
+                op(params, grads, m, v, [], steps, lr=kw["lr"], beta1=0.9, beta2=0.999, weight_decay=wd,
+                   eps=1e-8, amsgrad=False, maximize=False)
+        elif algo == "SGD":
+            buf = z()
+
+            def step() -> None:
+                torch._fused_sgd_(params, grads, buf, weight_decay=0.0, momentum=kw["momentum"], lr=kw["lr"],
+                                  dampening=0.0, nesterov=False, maximize=False, is_first_step=False)
+        elif algo == "Adagrad":
+            sums = z()
+
+            def step() -> None:
+                torch._foreach_add_(steps, one, alpha=1.0)
+                torch._fused_adagrad_(params, grads, sums, steps, lr=kw["lr"], lr_decay=0.0, weight_decay=0.0,
+                                      eps=1e-10, maximize=False)
+        else:
+            return None, f"no direct fused kernel wired up for {algo}"
+        return step, ""
+
+    return build
+
+
+def peers_for(algo: str) -> List[Tuple[str, Callable[..., Tuple[Optional[Step], str]]]]:
+    return [
+        ("funcopt eager foreach", funcopt_peer(algo, "foreach", False)),
+        ("funcopt eager fused", funcopt_peer(algo, "fused", False)),
+        ("funcopt script foreach", funcopt_peer(algo, "foreach", True)),
+        ("funcopt script fused", funcopt_peer(algo, "fused", True)),
+        ("torch.optim for-loop", torch_peer(algo, "loop")),
+        ("torch.optim foreach", torch_peer(algo, "foreach")),
+        ("torch.optim fused", torch_peer(algo, "fused")),
+        ("torch functional script", functional_peer(algo)),
+        ("aten fused (direct)", aten_peer(algo)),
+    ]
+
+
+# --------------------------------------------------------------------------- timing
+@contextlib.contextmanager
+def no_gc() -> Any:
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+def interleaved(steps: List[Step], warmup: int, repeats: int) -> List[List[float]]:
+    """Per-peer per-step seconds; each repeat runs every peer once, start rotating."""
+    n = len(steps)
+    times: List[List[float]] = [[] for _ in steps]
+    clock = time.perf_counter
+    with no_gc():
+        for r in range(warmup + repeats):
+            for k in range(n):
+                j = (r + k) % n
+                t0 = clock()
+                steps[j]()
+                dt = clock() - t0
+                if r >= warmup:
+                    times[j].append(dt)
+    return times
+
+
+def measure_bandwidth(numel: int = 64 * 2**20, repeats: int = 10) -> Dict[str, float]:
+    """Best and median GB/s of three streaming ops over ``numel`` fp32 (256 MB per tensor).
+
+    ``a.add_(b)`` (read a, b; write a: 12 B/elem) has an optimizer step's in-place
+    pattern, with no write-allocate traffic; it is the reference ("ref").
+    ``torch.add(a, b, out=c)`` is counted as 12 B/elem too (STREAM's convention;
+    the hardware also reads c before writing it), ``c.copy_(a)`` as 8 B/elem.
+    """
+    a, b, c = torch.rand(numel), torch.rand(numel), torch.empty(numel)
+    out: Dict[str, float] = {}
+    for name, fn, nbytes in (("inplace", lambda: a.add_(b, alpha=1e-30), 12),
+                             ("add", lambda: torch.add(a, b, out=c), 12), ("copy", lambda: c.copy_(a), 8)):
+        fn()
+        ts = []
+        with no_gc():
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                fn()
+                ts.append(time.perf_counter() - t0)
+        out[name + "_best"] = nbytes * numel / min(ts) / 1e9
+        out[name + "_median"] = nbytes * numel / statistics.median(ts) / 1e9
+    del a, b, c
+    return out
+
+
+# --------------------------------------------------------------------------- cases
+def run_case(algo: str, size: str, args: argparse.Namespace, bw: float) -> Dict[str, Any]:
+    shapes = case_shapes(size)
+    numel = sum(math.prod(s) for s in shapes)
+    base = make_tensors(shapes, 0, 0.02)
+    grads = make_tensors(shapes, 1, 1.0)
+    gsum = float(sum(g.double().sum() for g in grads))
+    heavy = numel >= HEAVY_NUMEL and not args.all_peers
+    names, steps, notes = [], [], []
+    for name, build in peers_for(algo):
+        if args.peers and not any(s in name for s in args.peers):
+            continue
+        if heavy and name in HEAVY_PEERS:
+            notes.append(f"{name}: skipped at this size to keep the run short (--all-peers runs it)")
+            continue
+        params = [p.clone() for p in base]
+        step, why = build(params, grads)
+        if step is None:
+            notes.append(f"{name}: {why}")
+            continue
+        names.append(name)
+        steps.append(step)
+    del base
+    repeats = args.repeats or (8 if numel >= HEAVY_NUMEL else 15)
+    c0, t0 = time.process_time(), time.perf_counter()
+    times = interleaved(steps, args.warmup, repeats)
+    wall = time.perf_counter() - t0
+    cpu_per_wall = (time.process_time() - c0) / wall
+    if abs(float(sum(g.double().sum() for g in grads)) - gsum) > 1e-6 * max(1.0, abs(gsum)):
+        notes.append("WARNING: a peer modified the shared gradients; figures are suspect")
+    med = {n: statistics.median(t) for n, t in zip(names, times)}
+    spread = {n: (min(t), max(t)) for n, t in zip(names, times)}
+    res = dict(algo=algo, size=size, numel=numel, tensors=len(shapes), repeats=repeats, warmup=args.warmup,
+               bytes_per_param=ALGOS[algo]["bytes"], median_s=med, min_max_s=spread, notes=notes,
+               times_s={n: t for n, t in zip(names, times)},
+               wall_s=wall, cpu_per_wall=cpu_per_wall, loadavg=os.getloadavg())
+    print_case(res, bw)
+    del steps
+    gc.collect()
+    return res
+
+
+def print_case(res: Dict[str, Any], bw: float) -> None:
+    med: Dict[str, float] = res["median_s"]
+    fused, foreach = med.get("torch.optim fused"), med.get("torch.optim foreach")
+    bpp = res["bytes_per_param"]
+    print(f"\n{res['algo']}, {res['size']} ({res['numel']:,} params in {res['tensors']} tensors), "
+          f"median of {res['repeats']} interleaved steps (after {res['warmup']} warm-up), "
+          f"load avg {res['loadavg'][0]:.2f}, this process got {res['cpu_per_wall']:.2f} CPUs")
+    print(f"  {'peer':<26}{'ms/step':>10}{'min..max ms':>17}{'/t.fused':>10}{'/t.foreach':>11}"
+          f"{'GB/s':>8}{'%BW':>6}   ({bpp} B/param)")
+    for name, t in med.items():
+        lo, hi = res["min_max_s"][name]
+        r1 = f"{t / fused:.2f}x" if fused else "-"
+        r2 = f"{t / foreach:.2f}x" if foreach else "-"
+        gbs = bpp * res["numel"] / t / 1e9
+        print(f"  {name:<26}{t * 1e3:>10.2f}{f'{lo * 1e3:.1f}..{hi * 1e3:.1f}':>17}{r1:>10}{r2:>11}"
+              f"{gbs:>8.1f}{100 * gbs / bw:>5.0f}%")
+    for n in res["notes"]:
+        print(f"  note: {n}")
+
