@@ -124,7 +124,7 @@ def reference(case: Dict[str, Any]) -> Dict[str, Any]:
     norms = []
     for step in range(STEPS):
         x, y = data(step)
-        opt.zero_grad()
+        opt.zero_grad(set_to_none=not case.get("keep_grad"))
         loss = ((model(x, **_skip(case, step)) - y) ** 2).mean()
         loss.backward()
         if case.get("clip"):
@@ -149,11 +149,15 @@ def train(case: Dict[str, Any], rank: int, world: int) -> Dict[str, Any]:
     for step in range(STEPS):
         x, y = data(step)
         x, y = x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]
-        opt.zero_grad()
+        opt.zero_grad(set_to_none=not case.get("keep_grad"))
         if case.get("no_backward"):  # a forward whose output never gets a backward
             model(x, **_skip(case, step)).sum()
         m = n // micro
-        for k in range(micro):
+        if case.get("double"):  # two forwards, one backward
+            h = n // 2
+            losses = [((model(x[a:b]) - y[a:b]) ** 2).mean() for a, b in ((0, h), (h, n))]
+            ((losses[0] + losses[1]) / 2).backward()
+        for k in range(0 if case.get("double") else micro):
             out = model(x[k * m:(k + 1) * m], **_skip(case, step))
             err = ((out.float() - y[k * m:(k + 1) * m]) ** 2)
             if case.get("grad_reduce") == "sum":
@@ -280,6 +284,9 @@ def train_cases() -> List[Dict[str, Any]]:
             cases.append(dict(kind="train", name=f"stack-{opt}-{impl}", model="stack", opt=opt, impl=impl))
     cases += [
         dict(kind="train", name="branchy-Adam", model="branchy", opt="Adam", impl="eager", skip=True),
+        dict(kind="train", name="branchy-skip-keepgrad-AdamW", model="branchy", opt="AdamW", impl="eager", skip=True,
+             keep_grad=True),
+        dict(kind="train", name="double-forward-SGD", model="stack", opt="SGD", impl="eager", double=True),
         dict(kind="train", name="branchy-SGD-scripted-clip", model="branchy", opt="SGD", impl="scripted", clip=0.3),
         dict(kind="train", name="frozen-AdamW", model="stack", opt="AdamW", impl="eager", frozen=True),
         dict(kind="train", name="frozen-Adagrad-scripted", model="stack", opt="Adagrad", impl="scripted",

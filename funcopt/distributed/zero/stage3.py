@@ -58,6 +58,15 @@ class Zero3Layer(nn.Module):
     Call on every rank, with the same module structure everywhere (checked:
     ranks whose modules differ get ``DistributedError`` naming the difference).
 
+    Limits: every rank must run the same layers in the same order (gathers and
+    reductions are collectives); a trainable parameter that gets no gradient
+    while others of its layer do gets a zero gradient in the chunk (the chunk
+    is one tensor to the optimizer), where torch would skip it; move or cast
+    the module before wrapping it (``.to()`` after reaches only the chunks), and
+    set ``requires_grad`` before (later changes are not seen); activation
+    checkpointing inside a layer and ``torch.compile`` are untested; the CUDA +
+    NCCL path is untested (no GPU in CI).
+
     Args:
       module: the module to shard.  Its parameters move into the chunks (they
         no longer appear in ``module.parameters()``); buffers stay replicated.
