@@ -166,6 +166,56 @@ class Zero3Root:
                                      valid=info.valid, numel=info.numel, world=info.world, params=info.params))
         return out
 
+    def save_sharded(self, path: str, optimizer: Any = None) -> None:
+        """Write this rank's chunks (and ``optimizer``'s state for them) under directory ``path``.
+
+        The same checkpoint layer as ZeRO-1/2
+        (:func:`funcopt.distributed.zero.checkpoint.save_sharded`: DCP, one
+        commit record, published atomically): each rank writes only its
+        pieces of every chunk, at their offsets in the unpadded flat, so the
+        checkpoint loads at any world size.
+
+        Args:
+          path: a directory (created if missing).
+          optimizer: default ``None``; an optimizer over ``self.parameters()``
+            (funcopt or ``torch.optim``) whose state and hyperparameters are
+            saved with the model.
+
+        Raises:
+          DistributedError: on every rank if any rank failed; the checkpoint
+            committed before (if any) is still the one ``path`` holds.
+
+        Call on every rank.
+
+        Example::
+
+            model.save_sharded("ckpt", optimizer=opt)       # at W=4
+            model.load_sharded("ckpt", optimizer=opt)       # later, at any W
+        """
+        from . import checkpoint
+        checkpoint.save_sharded(self, path, optimizer)
+
+    def load_sharded(self, path: str, optimizer: Any = None) -> None:
+        """Load a :meth:`save_sharded` checkpoint, written at any world size.
+
+        All or nothing: every file is checked against the commit record and
+        the checkpoint must be for this model (chunk names, sizes, dtypes,
+        buffers) and, given ``optimizer``, for its algorithm and groups.
+
+        Args:
+          path: the checkpoint directory.
+          optimizer: default ``None`` (the model only); the optimizer over
+            ``self.parameters()`` to load the saved optimizer state into.
+
+        Raises:
+          DistributedError: on every rank, with the same message, if any rank
+            found a problem; nothing has changed on any rank.
+
+        Call on every rank.
+        """
+        from . import checkpoint
+        checkpoint.load_sharded(self, path, optimizer)
+
 
 def _check_state(state: Any, expected: Dict[str, Tuple[Tuple[int, ...], torch.dtype]]) -> Optional[str]:
     if not isinstance(state, dict):
