@@ -121,6 +121,20 @@ def test_bad_lr_is_refused_before_anything_runs():
         assert r.stdout == "", (extra, lr, r.stdout)
 
 
+@pytest.mark.parametrize("lr", [-1.0, float("nan"), -0.5, 0.0, 1e-3, float("inf")])
+def test_lr_check_says_what_torch_says(lr):
+    import torch
+
+    from funcopt.demos._common import lr_problem
+
+    try:
+        torch.optim.Adam([torch.zeros(1, requires_grad=True)], lr=lr)
+        expected = None
+    except ValueError as e:
+        expected = str(e)
+    assert lr_problem(lr) == expected
+
+
 def test_package_never_runs_examples_or_benchmarks():
     """Everything the command line runs ships in the package: no module of
     funcopt/ imports, opens or runs a file from examples/ or benchmarks/.

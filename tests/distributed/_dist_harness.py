@@ -29,8 +29,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
+
+from funcopt.distributed.launch import launch
 
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=30)
 
@@ -42,20 +43,6 @@ RTOL, ATOL = 1e-5, 1e-7
 
 
 # ----------------------------------------------------------------- spawning
-def _entry(rank: int, world: int, init_file: str, out_dir: str, fn: Callable, args: tuple) -> None:
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                                world_size=world, timeout=COLLECTIVE_TIMEOUT)
-        try:
-            fn(rank, world, out_dir, *args)
-        finally:
-            dist.destroy_process_group()
-    except BaseException:
-        Path(out_dir, f"error-rank{rank}.txt").write_text(traceback.format_exc())
-        raise
-
-
 @dataclass
 class SpawnResult:
     world: int
@@ -86,31 +73,20 @@ class SpawnResult:
 
 
 def spawn(fn: Callable, world: int, workdir: Path, *args: Any, deadline: float = 150.0) -> SpawnResult:
-    """Run ``fn(rank, world, workdir, *args)`` on ``world`` spawned ranks; wait at most ``deadline`` s."""
+    """Run ``fn(rank, world, workdir, *args)`` on ``world`` spawned ranks; wait at most ``deadline`` s.
+
+    Through :func:`funcopt.distributed.launch.launch` (spawn, gloo, ``file://``
+    rendezvous in ``workdir``, :data:`COLLECTIVE_TIMEOUT`, one thread per rank,
+    ``destroy_process_group`` in ``finally``, each rank's traceback in
+    ``error-rank<r>.txt``); no early kill after a failure (fault tests let
+    the other ranks fail by themselves), only at the deadline."""
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    init_file = workdir / "rendezvous"
-    assert not init_file.exists()
-    ctx = mp.get_context("spawn")
-    t0 = time.monotonic()
-    procs = [ctx.Process(target=_entry, args=(r, world, str(init_file), str(workdir), fn, args))
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    killed = False
-    for p in procs:
-        p.join(max(0.1, deadline - (time.monotonic() - t0)))
-    for p in procs:  # only our own children, by handle
-        if p.is_alive():
-            killed = True
-            p.kill()
-            p.join(10)
-    errors = {}
-    for r in range(world):
-        f = workdir / f"error-rank{r}.txt"
-        if f.exists():
-            errors[r] = f.read_text()
-    return SpawnResult(world, workdir, [p.exitcode for p in procs], errors, time.monotonic() - t0, killed)
+    assert not (workdir / "rendezvous").exists()
+    res = launch(fn, world, str(workdir), *args, workdir=workdir, timeout=COLLECTIVE_TIMEOUT.total_seconds(),
+                 deadline=deadline, grace=None, threads=1, torchrun=False)
+    return SpawnResult(world, workdir, [res.exitcodes.get(r) for r in range(world)], dict(res.errors), res.seconds,
+                       bool(res.killed))
 
 
 def save(out_dir: str, rank: int, obj: Any, name: str = "result") -> None:

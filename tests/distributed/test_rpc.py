@@ -45,11 +45,12 @@ if not dist.is_available() or not dist.rpc.is_available():
 
 import torch.distributed.autograd as dist_autograd  # noqa: E402
 import torch.distributed.rpc as rpc  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 
 import funcopt  # noqa: E402
 from funcopt import registry  # noqa: E402
 from funcopt.distributed import DistributedOptimizer  # noqa: E402
+from funcopt.distributed.launch import init_method as launch_init_method  # noqa: E402
+from funcopt.distributed.launch import launch  # noqa: E402
 
 from _dist_harness import case_result  # noqa: E402
 
@@ -67,12 +68,11 @@ RTOL, ATOL = 1e-6, 1e-7
 
 
 # =========================================================== spawn harness
-def _entry(rank: int, names: Sequence[str], init_file: str, out_dir: str, role: Callable,
+def _entry(rank: int, world: int, names: Sequence[str], out_dir: str, role: Callable,
            graceful: bool, args: tuple) -> None:
-    torch.set_num_threads(1)
     name = names[rank]
     try:
-        opts = rpc.TensorPipeRpcBackendOptions(init_method=f"file://{init_file}", rpc_timeout=RPC_TIMEOUT)
+        opts = rpc.TensorPipeRpcBackendOptions(init_method=launch_init_method(), rpc_timeout=RPC_TIMEOUT)
         rpc.init_rpc(name, rank=rank, world_size=len(names), rpc_backend_options=opts)
         try:
             role(name, out_dir, *args)
@@ -125,24 +125,13 @@ def _spawn(role: Callable, names: Sequence[str], workdir: Path, *args: Any, grac
            expect_exit: Optional[Dict[str, int]] = None) -> Spawned:
     """Run ``role(name, workdir, *args)`` in one spawned process per name (rank = index)."""
     workdir.mkdir(parents=True, exist_ok=True)
-    init_file = workdir / "rendezvous"
-    ctx = mp.get_context("spawn")
-    t0 = time.monotonic()
-    procs = [ctx.Process(target=_entry, args=(r, list(names), str(init_file), str(workdir), role, graceful, args),
-                         name=f"rpc-{n}") for r, n in enumerate(names)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(max(0.1, SPAWN_DEADLINE - (time.monotonic() - t0)))
-    killed = False
-    for p in procs:  # our own children only, by handle
-        if p.is_alive():
-            killed = True
-            p.kill()
-            p.join(10)
+    # funcopt's launcher: spawn, file:// rendezvous in workdir, one thread per process, the deadline
+    # (the processes still running then are killed); the RPC agent is set up and shut down by _entry
+    res = launch(_entry, len(names), list(names), str(workdir), role, graceful, args, backend=None, workdir=workdir,
+                 deadline=SPAWN_DEADLINE, grace=None, threads=1, torchrun=False)
     errors = {n: (workdir / f"error-{n}.txt").read_text() for n in names if (workdir / f"error-{n}.txt").exists()}
-    return Spawned(list(names), workdir, {n: p.exitcode for n, p in zip(names, procs)}, errors,
-                   time.monotonic() - t0, killed, dict(expect_exit or {}))
+    return Spawned(list(names), workdir, {n: res.exitcodes.get(r) for r, n in enumerate(names)}, errors,
+                   res.seconds, bool(res.killed), dict(expect_exit or {}))
 
 
 def _save(out_dir: str, name: str, obj: Any) -> None:
