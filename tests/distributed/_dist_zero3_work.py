@@ -78,10 +78,28 @@ class Branchy(nn.Module):
         return self.head(self.norm(h) * self.scale)
 
 
+class Tfm(nn.Module):
+    """torch's TransformerEncoder (its layers reach into ``layers[0].self_attn``:
+    attribute access through a Zero3Layer) over length-1 sequences."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(2)
+        self.proj = nn.Linear(D_IN, 8)
+        layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(8, D_OUT)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(self.proj(x).unsqueeze(1)).squeeze(1))
+
+
 def build(case: Dict[str, Any], rank: int = 0) -> nn.Module:
     """The unsharded model of a case (rank ``rank``'s, for the mismatch case)."""
     if case["model"] == "branchy":
         return Branchy()
+    if case["model"] == "transformer":
+        return Tfm()
     mods = stack_modules(frozen=case.get("frozen", False))
     if case.get("mismatch") and rank == 1:
         mods[1] = nn.Sequential(nn.Linear(10, 9), nn.Tanh())
@@ -92,6 +110,8 @@ def shard(case: Dict[str, Any], model: nn.Module, rank: int, world: int) -> nn.M
     kw = dict(grad_reduce=case.get("grad_reduce", "mean"), compute_dtype=case.get("compute_dtype"))
     if case["model"] == "branchy":
         return zero3(model, wrap={Block}, **kw)
+    if case["model"] == "transformer":
+        return zero3(model, wrap={nn.TransformerEncoderLayer}, **kw)
     if case.get("labml"):
         return Zero3Sequential([Zero3Layer(m, rank, world, torch.device("cpu"), torch.float32) for m in model])
     return Zero3Sequential([Zero3Layer(m, **kw) for m in model])
@@ -288,6 +308,7 @@ def train_cases() -> List[Dict[str, Any]]:
              keep_grad=True),
         dict(kind="train", name="double-forward-SGD", model="stack", opt="SGD", impl="eager", double=True),
         dict(kind="train", name="branchy-SGD-scripted-clip", model="branchy", opt="SGD", impl="scripted", clip=0.3),
+        dict(kind="train", name="transformer-SGD-scripted", model="transformer", opt="SGD", impl="scripted"),
         dict(kind="train", name="frozen-AdamW", model="stack", opt="AdamW", impl="eager", frozen=True),
         dict(kind="train", name="frozen-Adagrad-scripted", model="stack", opt="Adagrad", impl="scripted",
              frozen=True),
