@@ -166,9 +166,10 @@ def _add(seen: Dict[int, int], t: Optional[torch.Tensor]) -> None:
 
 class Peer:
     def __init__(self, key: str, model: nn.Module, layers: List[nn.Module], opt: Any,
-                 originals: List[torch.Tensor], set_to_none: bool = True):
+                 originals: List[torch.Tensor], set_to_none: bool = True, units: Optional[List[nn.Module]] = None):
         self.key, self.name = key, PEERS[key]
         self.model, self.layers, self.opt = model, layers, opt
+        self.units = units or layers         # the modules whose forward the sharding wraps
         self.opt_params = [p for g in opt.param_groups for p in g["params"]]
         self.originals = originals           # funcopt: the layers' own parameters (empty when not fetched)
         self.set_to_none = set_to_none
@@ -220,11 +221,12 @@ def make_peer(key: str, base_layers: List[nn.Module], args: argparse.Namespace) 
         from funcopt.distributed import Zero3Layer, Zero3Sequential
 
         originals = [p for m in layers for p in m.parameters()]
-        model = Zero3Sequential([Zero3Layer(m) for m in layers])
+        units = [Zero3Layer(m) for m in layers]
+        model = Zero3Sequential(units)
         opt = funcopt.Adam(model.parameters(), lr=args.lr)
         if key == "f_zero3_s":
             opt = funcopt.script(opt)
-        return Peer(key, model, layers, opt, originals)
+        return Peer(key, model, layers, opt, originals, units=units)
     raise ValueError(key)
 
 
@@ -239,16 +241,29 @@ def iteration(peer: Peer, x: torch.Tensor, y: torch.Tensor) -> float:
 
 
 def memory_iteration(peer: Peer, x: torch.Tensor, y: torch.Tensor) -> None:
-    """One untimed iteration with the counter sampled at every layer, in forward and backward."""
+    """One untimed iteration with the counter sampled at every layer, in forward and backward.
+
+    Forward: when the layer's own module starts (its parameters gathered, the next
+    layer's gather under way).  Backward: when the gradient of the layer's output
+    arrives (a hook registered on the output by a forward hook of the sharding
+    unit, so it runs after the sharding's own pre-backward hook: the layer is
+    gathered again) and when the gradient of its input is computed (its backward
+    done, its full gradients produced)."""
     hooks = []
-    for i, m in enumerate(peer.layers):
+    for i, (m, u) in enumerate(zip(peer.layers, peer.units)):
         hooks.append(m.register_forward_pre_hook(lambda _m, _a, i=i: peer.sample(f"fwd {i}")))
+
+        def on_in(_m: nn.Module, args: Any, i: int = i) -> None:
+            for a in args:
+                if isinstance(a, torch.Tensor) and a.requires_grad:
+                    a.register_hook(lambda g, i=i: peer.sample(f"bwd {i} done"))
 
         def on_out(_m: nn.Module, _a: Any, out: Any, i: int = i) -> None:
             if isinstance(out, torch.Tensor) and out.requires_grad:
                 out.register_hook(lambda g, i=i: peer.sample(f"bwd {i}"))
 
-        hooks.append(m.register_forward_hook(on_out))
+        hooks.append(u.register_forward_pre_hook(on_in))
+        hooks.append(u.register_forward_hook(on_out))
     peer.samples = []
     try:
         peer.opt.zero_grad(set_to_none=peer.set_to_none)
@@ -450,6 +465,13 @@ def report(args, world, n_params, layer_params, peers, everyone, diffs, tables, 
                 if ddp_after else "-")
         print(f"| {names[k]} | {fmt(af[1])} / {fmt(af[2])} / {fmt(af[3])} = {fmt(tot_af)} | "
               f"{fmt(pk[1])} / {fmt(pk[2])} / {fmt(pk[3])} = {fmt(tot_pk)} ({pk[0]}) | {vs} | {over} | {fmt(rss)} |")
+    if args.samples:
+        for k in keys:
+            print()
+            print(f"{names[k]}, rank 0, every sample (MiB): where: params / grads / state / RSS growth")
+            s0 = everyone[0][k]["samples"]
+            base = s0[0][4]
+            print("    " + "; ".join(f"{s[0]}: {fmt(s[1])}/{fmt(s[2])}/{fmt(s[3])}/{fmt(s[4] - base)}" for s in s0))
     print()
     print("(largest rank shown; counted tensor by tensor, each storage once; communication buffers in flight and "
           "activations are not counted, nor FSDP2's prefetched all-gather output before its layer runs; DDP's "
@@ -522,6 +544,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     ap.add_argument("--json", default=None, help="also write the raw figures here ({W} is replaced by W)")
     ap.add_argument("--timeout", type=float, default=900, help="process-group timeout in seconds (default 900)")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
+    ap.add_argument("--samples", action="store_true", help="print every memory sample of rank 0")
     args = ap.parse_args(argv)
     if args.layers < 1 or args.iters < 1 or args.d_model % args.heads:
         ap.error("--layers and --iters must be >= 1 and --d-model a multiple of --heads")
