@@ -4,6 +4,7 @@ Nothing here reimplements an update rule: every layer builds a funcopt
 optimizer over its shard and calls ``step(grads)``.
 """
 from ._comm import DistributedError
+from ._local import EagerFallbackWarning
 from .bucketer import ReduceScatterBucketer
 from .zero import Layout, Segment, make_layout
 from .rpc import DistributedOptimizer
@@ -12,4 +13,4 @@ from .zero.root3 import Zero3Sequential
 from .zero.stage3 import Zero3Layer
 from .zero.wrap import zero3
 
-__all__ = ["DistributedError", "DistributedOptimizer", "Layout", "ReduceScatterBucketer", "Segment", "Zero3Layer", "Zero3Sequential", "ZeroRedundancyOptimizer", "make_layout", "zero3"]
+__all__ = ["DistributedError", "DistributedOptimizer", "EagerFallbackWarning", "Layout", "ReduceScatterBucketer", "Segment", "Zero3Layer", "Zero3Sequential", "ZeroRedundancyOptimizer", "make_layout", "zero3"]

@@ -32,7 +32,7 @@ import torch.distributed.rpc as rpc  # noqa: E402
 from funcopt import _compat  # noqa: E402
 from funcopt.distributed import DistributedOptimizer, ZeroRedundancyOptimizer  # noqa: E402
 from funcopt.distributed import _local  # noqa: E402
-from funcopt.distributed._local import EagerFallbackWarning  # noqa: E402
+from funcopt.distributed import EagerFallbackWarning  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 STEPS = 4

@@ -3,7 +3,7 @@
 A ZeRO-3 root lists its chunks with ``sharded_chunks()`` (each rank's piece of
 every layer's flat trainable / frozen parameters: ``name``, ``tensor``,
 ``offset``, ``length``, ``valid``, ``numel``; see
-``funcopt.distributed.zero.stage3.ChunkInfo``).  Every chunk is saved as one
+``funcopt.distributed.zero.schedule3.ChunkInfo``).  Every chunk is saved as one
 1-D tensor ``model.<chunk name>`` of its ``numel`` real elements (no padding,
 so nothing depends on the world size), each rank writing its ``valid``
 elements at ``offset``; buffers are replicated (``buffer.<name>``, written
