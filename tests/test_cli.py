@@ -102,12 +102,22 @@ BAD = [
 
 
 @pytest.mark.parametrize("argv,says", BAD, ids=[" ".join(a) for a, _ in BAD])
-def test_bad_arguments_are_one_line_exit_2(argv, says):
-    r = _run(["-m", "funcopt", *argv, "--no-progress"], timeout=120)
-    assert r.returncode == 2, (argv, r.stdout + r.stderr)
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and says in lines[0], (argv, r.stderr)
-    assert "Traceback" not in r.stderr and r.stdout == "", (argv, r.stdout)
+def test_bad_arguments_are_one_line_exit_2(argv, says, capsys, monkeypatch):
+    """In-process (one torch import for all cases); the subprocess tests above and
+    below check the same path end to end."""
+    from funcopt.cli import main
+
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(k, raising=False)
+    try:
+        code = main([*argv, "--no-progress"])
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    assert code == 2, (argv, out + err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and says in lines[0], (argv, err)
+    assert "Traceback" not in err and out == "", (argv, out)
 
 
 def test_bad_lr_is_refused_before_anything_runs():

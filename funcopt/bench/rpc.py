@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -236,4 +237,4 @@ def main(argv: Optional[List[str]] = None) -> int:
     """``benchmarks/rpc.py``: the same as ``funcopt bench rpc``."""
     from . import main_layer
 
-    return main_layer("rpc", sys.argv[1:] if argv is None else argv, prog="benchmarks/rpc.py")
+    return main_layer("rpc", sys.argv[1:] if argv is None else argv, prog=os.path.basename(sys.argv[0]) or None)

@@ -249,4 +249,4 @@ def main(argv: Optional[List[str]] = None) -> int:
     """``benchmarks/step.py``: the same as ``funcopt bench step``."""
     from . import main_layer
 
-    return main_layer("step", sys.argv[1:] if argv is None else argv, prog="benchmarks/step.py")
+    return main_layer("step", sys.argv[1:] if argv is None else argv, prog=os.path.basename(sys.argv[0]) or None)

@@ -255,4 +255,4 @@ def main(argv: Optional[List[str]] = None) -> int:
     """``benchmarks/zero.py``: the same as ``funcopt bench zero``."""
     from . import main_layer
 
-    return main_layer("zero", sys.argv[1:] if argv is None else argv, prog="benchmarks/zero.py")
+    return main_layer("zero", sys.argv[1:] if argv is None else argv, prog=os.path.basename(sys.argv[0]) or None)
