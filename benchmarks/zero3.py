@@ -47,9 +47,12 @@ held for the whole run).
 
 Also per peer: the growth of the process's resident memory over the same
 iteration (peak sample minus the sample before ``zero_grad``), which does see
-activations and communication buffers; the children run with
-``MALLOC_MMAP_THRESHOLD_=131072`` so that every tensor of 128 KiB or more is its
-own mapping, returned to the system when freed.
+activations and communication buffers.  It is meaningful with ``--rss`` only:
+the children then run with ``MALLOC_MMAP_THRESHOLD_=131072``, so that every
+tensor of 128 KiB or more is its own mapping, returned to the system when
+freed.  That makes every large allocation page-fault afresh, which slows the
+peers that allocate per layer (ZeRO-3, FSDP2) far more than DDP: take times
+from a run without ``--rss``.
 
 Targets (issue 10): per-rank model state <= DDP's / W + two layers, where a
 layer is what a gathered layer holds in backward: its full parameters and
@@ -557,6 +560,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     ap.add_argument("--timeout", type=float, default=900, help="process-group timeout in seconds (default 900)")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
     ap.add_argument("--samples", action="store_true", help="print every memory sample of rank 0")
+    ap.add_argument("--rss", action="store_true", help="make the RSS growth column exact (MALLOC_MMAP_THRESHOLD_); "
+                                                       "slows per-layer allocations: not for timing")
     args = ap.parse_args(argv)
     if args.layers < 1 or args.iters < 1 or args.d_model % args.heads:
         ap.error("--layers and --iters must be >= 1 and --d-model a multiple of --heads")
@@ -565,8 +570,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 
 def main(argv: Optional[List[str]] = None) -> None:
     args = parse_args(argv)
-    # every tensor of 128 KiB or more its own mapping, unmapped when freed: RSS follows live tensors
-    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")
+    if args.rss:
+        # every tensor of 128 KiB or more its own mapping, unmapped when freed: RSS follows live tensors
+        # (and every large allocation page-faults afresh: times from such a run are not comparable)
+        os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")
     from funcopt.distributed.launch import launch, under_torchrun
 
     worlds = [1] if under_torchrun() else [int(w) for w in str(args.world_size).split(",") if w.strip()]
