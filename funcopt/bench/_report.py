@@ -60,12 +60,15 @@ _KINETO_LINE = None
 
 
 def _kineto_line(line: str) -> bool:
-    """A log line torch's profiler (libkineto) writes straight to fd 2, e.g. ``USDT:2026-... profiler_start``."""
+    """A log line torch's profiler writes straight to fd 2: libkineto's (``USDT:2026-... profiler_start``)
+    or c10's profiler notices (``[W1126 ... utils.cpp:165] Warning: Profiling a distributed call ...``)."""
     import re
 
     global _KINETO_LINE
     if _KINETO_LINE is None:
-        _KINETO_LINE = re.compile(r"^(USDT|STAGE|INFO|WARNING|ERROR|[IWE]\d{4}):?\s?\d{4}-\d\d-\d\d .*\.cpp:\d+\]")
+        _KINETO_LINE = re.compile(
+            r"^(USDT|STAGE|INFO|WARNING|ERROR|[IWE]\d{4}):?\s?\d{4}-\d\d-\d\d .*\.cpp:\d+\]"  # libkineto's log
+            r"|^(\[rank\d+\]:)?\[W\d{4} [\d:.]+ \w+\.cpp:\d+\] Warning: Profil")  # c10's profiler notices
     return bool(_KINETO_LINE.match(line))
 
 
