@@ -66,7 +66,7 @@ from ._report import print_summary, ratio_row
 MODEL_NAMES = ("small", "large")
 OPTIM_NAMES = ("sgd", "adam")
 # what `funcopt bench --quick` runs of this layer
-QUICK = ("--models", "small", "--optims", "adam", "--trainers", "2", "--reps", "2", "--iters-small", "10",
+QUICK = ("--models", "small", "--optims", "adam", "--trainers", "1", "--reps", "2", "--iters-small", "10",
          "--server", "no", "--gil-models", "")
 
 

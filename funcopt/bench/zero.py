@@ -64,7 +64,7 @@ from ._report import print_summary
 PEER_KEYS = ("ddp_adam", "torch_zero", "torch_zero_bv", "f_flat", "f_greedy", "f_flat_bv", "f_z2", "f_z2_bv")
 # what `funcopt bench --quick` runs of this layer
 QUICK = ("--params", "2M", "--width", "512", "--iters", "5", "--warmup", "2",
-         "--peers", "ddp_adam,torch_zero,f_flat,f_z2", "--no-breakdown")
+         "--peers", "ddp_adam,f_flat,f_z2", "--no-breakdown")
 
 
 def parse_size(s: str) -> int:
