@@ -46,7 +46,7 @@ import os
 import sys
 import threading
 import time
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed.autograd as dist_autograd
