@@ -104,7 +104,9 @@ CHILD = textwrap.dedent(
 
     sys.meta_path.insert(0, _NoFuncopt())
     import warnings
-    warnings.simplefilter("ignore", DeprecationWarning)
+    # torch's TorchScript notice only (DeprecationWarning on 2.13, FutureWarning
+    # from 2.14; the same pattern as funcopt._compat, which this child may not import)
+    warnings.filterwarnings("ignore", message=r"`torch\\.jit\\.\\w+` is deprecated", module=r"torch\\.jit")
     import torch
 
     names = sys.argv[1:]
