@@ -204,7 +204,10 @@ def memory_probe(case: Dict[str, Any], rank: int, world: int) -> Dict[str, Any]:
     originals = [p for p in model.parameters()]
     sharded = shard(case, model, rank, world)
     chunks = [(c.name, c.length * c.world * 4) for c in sharded.sharded_chunks()]
+    grad_chunks = [c.length * c.world * 4 for c in sharded.sharded_chunks() if c.trainable]
     seen = {"forward": [], "backward": []}
+    sched = sharded.schedule
+    pending: List[int] = []  # full-size gradient bytes handed over and not yet reduced, inside backward
 
     def held() -> int:
         storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in originals}
@@ -215,7 +218,10 @@ def memory_probe(case: Dict[str, Any], rank: int, world: int) -> Dict[str, Any]:
 
     def post(mod: nn.Module, args: Any, out: Any) -> None:
         if isinstance(out, torch.Tensor) and out.requires_grad:
-            out.register_hook(lambda g: seen["backward"].append(held()))
+            def bw(g: torch.Tensor) -> None:
+                seen["backward"].append(held())
+                pending.append(sched.pending_grad_bytes)
+            out.register_hook(bw)
 
     leaves = [m for m in sharded.modules() if not list(m.children()) and not isinstance(m, Zero3Layer)]
     handles = [h for m in leaves for h in (m.register_forward_pre_hook(pre), m.register_forward_hook(post))]
@@ -236,7 +242,8 @@ def memory_probe(case: Dict[str, Any], rank: int, world: int) -> Dict[str, Any]:
         out = sharded(data(0)[0])
     eval_state = dict(held=held(), fetched=[m.is_fetched for m in sharded.modules() if isinstance(m, Zero3Layer)],
                       no_grad_fn=out.grad_fn is None)
-    return dict(seen=seen, chunks=chunks, after=after, eval=eval_state, eval_out=out,
+    return dict(seen=seen, chunks=chunks, grad_chunks=grad_chunks, pending=pending,
+                peak_pending=sched.peak_pending_grad_bytes, pending_after=sched.pending_grad_bytes, after=after, eval=eval_state, eval_out=out,
                 sd=sharded.full_state_dict(), nbytes=[p.untyped_storage().nbytes() for p in originals])
 
 

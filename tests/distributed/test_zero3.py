@@ -107,6 +107,13 @@ def test_memory_probe(run, world, model):
             assert seen, f"no {phase} probe ran"
             assert max(seen) <= bound, f"rank {r} {phase}: {max(seen)} bytes held, bound {bound}: {seen}"
             assert max(seen) > 0
+        # full-size gradients in backward: while a layer computes, at most one other
+        # layer's flat gradient is still being reduce-scattered; never more than two
+        grads = sorted(res["grad_chunks"])
+        assert res["pending"], "no backward probe ran"
+        assert max(res["pending"]) <= grads[-1], f"rank {r}: {res['pending']} pending, one layer {grads[-1]}"
+        assert 0 < res["peak_pending"] <= sum(grads[-2:]), f"rank {r}: peak {res['peak_pending']}, {grads}"
+        assert res["pending_after"] == 0
         after = res["after"]
         assert after["held"] == 0
         assert all(after["orig_grads"]), "a full gradient is left on an original parameter"

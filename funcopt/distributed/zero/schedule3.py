@@ -132,7 +132,13 @@ class Zero3Schedule:
 
     def __init__(self, group: Any, order: Optional[Sequence[Any]] = None, root: Any = None):
         self.group = group
-        self.bucketer = ReduceScatterBucketer()
+        # Every layer's flat gradient goes straight to its own reduce-scatter (no
+        # bucket copy), and at most one is left running: handing layer k over waits
+        # for layer k+1's, so the full-size gradients alive in backward are the
+        # running layer's plus one pending layer's (two layers, not ~6 behind gloo).
+        self.bucketer = ReduceScatterBucketer(bucket_size_mb=0, max_in_flight=1)
+        self.pending_grad_bytes = 0  # full-size gradient bytes handed over, not yet reduced
+        self.peak_pending_grad_bytes = 0  # the most ``pending_grad_bytes`` has been
         self.order: List[Any] = list(order or [])
         self.recording = order is None
         self.root = root  # the module whose forward starts an iteration
@@ -204,6 +210,15 @@ class Zero3Schedule:
             self.active.append(layer)
 
     # ----------------------------------------------------------- backward
+    def grad_handed(self, nbytes: int) -> None:
+        """A layer's full flat gradient (``nbytes``) was handed to the reduce-scatter."""
+        self.pending_grad_bytes += nbytes
+        self.peak_pending_grad_bytes = max(self.peak_pending_grad_bytes, self.pending_grad_bytes)
+
+    def grad_reduced(self, nbytes: int) -> None:
+        """That reduce-scatter completed: its full flat gradient is gone."""
+        self.pending_grad_bytes -= nbytes
+
     def enter_backward(self) -> None:
         """Backward reached a layer: queue the end-of-backward callback once."""
         if not self.in_backward:
@@ -224,3 +239,4 @@ class Zero3Schedule:
                     layer.reset_iteration()
                 self.active = []
                 self.in_backward = False
+                self.pending_grad_bytes = 0  # what an error left in flight was dropped

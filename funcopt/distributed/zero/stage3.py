@@ -379,15 +379,25 @@ class Zero3Layer(nn.Module):
         with record_function("funcopt::zero3/reduce_grads"):
             self._bw_finished = True
             c = self.chunk_size[TRAINABLE]
-            grads = [(e, e.param.grad) for e in self.entries if e.kind == TRAINABLE]
-            if c and any(g is not None for _, g in grads):
+            trainable = [e for e in self.entries if e.kind == TRAINABLE]
+            if c and any(e.param.grad is not None for e in trainable):
                 flat = torch.zeros(c * self.world_size, dtype=self.dtype, device=self.device)
-                for e, g in grads:
-                    if g is not None:
-                        flat[e.offset:e.offset + e.numel].copy_(g.reshape(-1))
-                        e.param.grad = None
-                self.schedule.bucketer.reduce_scatter_async(list(flat.view(self.world_size, c).unbind(0)),
-                                                            self.process_group, self._receive_grad)
+                for e in trainable:
+                    if e.param.grad is not None:
+                        flat[e.offset:e.offset + e.numel].copy_(e.param.grad.reshape(-1))
+                        e.param.grad = None  # each gradient goes as soon as it is in the flat
+                nbytes = flat.numel() * flat.element_size()
+                sched = self.schedule
+                sched.grad_handed(nbytes)
+
+                def receive(reduced: Tensor) -> None:
+                    sched.grad_reduced(nbytes)
+                    self._receive_grad(reduced)
+
+                # waits for the previous layer's reduce-scatter (the bucketer keeps one in flight)
+                sched.bucketer.reduce_scatter_async(list(flat.view(self.world_size, c).unbind(0)),
+                                                    self.process_group, receive)
+                del flat
             self.free_params()
 
     @torch.no_grad()
