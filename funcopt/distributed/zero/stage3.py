@@ -259,8 +259,8 @@ class Zero3Layer(nn.Module):
                 if self.compute_dtype is not None and src.dtype != self.compute_dtype:
                     src = src.to(self.compute_dtype)
                 self._gather_inputs.append(src)
-                self._gather_work.append(dist.all_gather(list(flat.view(self.world_size, c).unbind(0)), src,
-                                                         group=self.process_group, async_op=True))
+                # straight into the flat (the parameters' storage): no list of outputs to copy from
+                self._gather_work.append(_ALL_GATHER_INTO(flat, src, group=self.process_group, async_op=True))
             if not self._gather_work:
                 self._fetched = True
 
@@ -381,11 +381,16 @@ class Zero3Layer(nn.Module):
             c = self.chunk_size[TRAINABLE]
             trainable = [e for e in self.entries if e.kind == TRAINABLE]
             if c and any(e.param.grad is not None for e in trainable):
-                flat = torch.zeros(c * self.world_size, dtype=self.dtype, device=self.device)
+                # every element is written once: a copied gradient, or zero (padding, no gradient)
+                flat = torch.empty(c * self.world_size, dtype=self.dtype, device=self.device)
                 for e in trainable:
+                    piece = flat[e.offset:e.offset + e.numel]
                     if e.param.grad is not None:
-                        flat[e.offset:e.offset + e.numel].copy_(e.param.grad.reshape(-1))
+                        piece.copy_(e.param.grad.reshape(-1))
                         e.param.grad = None  # each gradient goes as soon as it is in the flat
+                    else:
+                        piece.zero_()
+                flat[self.numels[TRAINABLE]:].zero_()
                 nbytes = flat.numel() * flat.element_size()
                 sched = self.schedule
                 sched.grad_handed(nbytes)
@@ -407,7 +412,11 @@ class Zero3Layer(nn.Module):
         if self.grad_reduce == "mean" and self.world_size > 1:
             reduced.div_(self.world_size)
         if chunk.grad is None:
-            chunk.grad = reduced.to(chunk.dtype).reshape(-1).clone()
+            grad = reduced.to(chunk.dtype).reshape(-1)
+            whole = grad.is_contiguous() and grad.untyped_storage().nbytes() == grad.numel() * grad.element_size()
+            # a tensor of its own (a direct reduce-scatter's output, or the cast) is kept as
+            # it is; a slice of a bucket's output is copied so the bucket can go
+            chunk.grad = grad if whole and grad.data_ptr() != chunk.data_ptr() else grad.clone()
         else:
             chunk.grad.add_(reduced.reshape(-1).to(chunk.grad.dtype))
 
@@ -519,6 +528,10 @@ class Zero3Layer(nn.Module):
         """Rank, world size, chunk sizes and dtypes, for ``repr``."""
         return (f"rank={self.rank}, world_size={self.world_size}, chunk_size={self.chunk_size}, "
                 f"dtype={self.dtype}, compute_dtype={self.compute_dtype}, grad_reduce={self.grad_reduce!r}")
+
+
+# all_gather_single is all_gather_into_tensor's newer name (the old one warns in torch >= 2.13)
+_ALL_GATHER_INTO = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def _cast_inputs(tree: Any, dtype: torch.dtype) -> Any:
