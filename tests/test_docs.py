@@ -162,14 +162,32 @@ _SNIPPET_PAGES = ("migration.md", "limits.md", "distributed.md", "../README.md")
 # can stop the other ranks instead of letting them wait in a collective.
 _DRIVER = """
 import json, os, runpy, sys, traceback
-jobs, out = json.loads(sys.argv[1]), sys.argv[2]
+import faulthandler, time
+jobs, out, meet = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3]
+world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
 results = []
 def save():
     with open(out, "w") as f:
         json.dump(results, f)
-for path, kind, port in jobs:
+def barrier(i):
+    # every rank starts snippet i together, so a rank that finished the previous
+    # snippet early does not spend its rendezvous timeout waiting for a slow peer
+    open(f"{meet}.{i}.{rank}", "w").close()
+    deadline = time.monotonic() + 400
+    while not all(os.path.exists(f"{meet}.{i}.{r}") for r in range(world)):
+        if time.monotonic() > deadline:
+            results.append({"ok": False, "error": "TimeoutError: peers never reached snippet %d" % i,
+                            "traceback": "barrier before snippet %d timed out" % i})
+            save()
+            sys.exit(1)
+        time.sleep(0.05)
+for i, (path, kind, port) in enumerate(jobs):
     if port:
         os.environ["MASTER_PORT"] = port
+    if world > 1:
+        barrier(i)
+    # a snippet stuck for minutes prints every thread's stack into this rank's log
+    faulthandler.dump_traceback_later(240, exit=False)
     try:
         runpy.run_path(path, run_name="__main__")
         results.append({"ok": True})
@@ -180,6 +198,7 @@ for path, kind, port in jobs:
         if kind != "raises":
             save()
             sys.exit(1)
+    faulthandler.cancel_dump_traceback_later()
     print("snippet done:", path, flush=True)
 save()
 """
@@ -210,7 +229,8 @@ def _run_ranks(world: int, jobs: list, cwd: Path, tag: str, timeout: float) -> T
         logs.append(cwd / f"{tag}.rank{rank}.log")
         outs.append(cwd / f"{tag}.rank{rank}.json")
         with open(logs[-1], "w") as log:   # a file, not a pipe: nothing blocks on a full pipe
-            procs.append(subprocess.Popen([sys.executable, "-c", _DRIVER, json.dumps(jobs), str(outs[-1])],
+            procs.append(subprocess.Popen([sys.executable, "-c", _DRIVER, json.dumps(jobs), str(outs[-1]),
+                                           str(cwd / f"{tag}.meet")],
                                           cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT))
     deadline = time.monotonic() + timeout
     try:
