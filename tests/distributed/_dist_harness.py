@@ -248,3 +248,13 @@ def assert_state_dict_close(got: Dict[str, Any], want: Dict[str, Any], what: str
 def state_tensor_bytes(sd: Dict[str, Any]) -> int:
     return sum(t.numel() * t.element_size() for e in sd["state"].values() for t in e.values()
                if isinstance(t, torch.Tensor))
+
+
+def assert_sd_close(got: Dict[str, torch.Tensor], want: Dict[str, torch.Tensor], what: str,
+                    rtol: float = RTOL, atol: float = ATOL) -> None:
+    """Same keys in the same order, same shapes and dtypes, values within rtol/atol."""
+    assert list(got) == list(want), f"{what}: keys {list(got)}, expected {list(want)}"
+    for k in want:
+        g, w = got[k], want[k]
+        assert g.shape == w.shape and g.dtype == w.dtype, f"{what}[{k}]: {g.shape} {g.dtype} vs {w.shape} {w.dtype}"
+        torch.testing.assert_close(g, w, rtol=rtol, atol=atol, msg=lambda m: f"{what}[{k}]: {m}")

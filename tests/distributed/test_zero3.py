@@ -18,7 +18,7 @@ if not dist.is_available() or not dist.is_gloo_available():
     pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
 
 import _dist_zero3_work as W  # noqa: E402
-from _dist_harness import case_result, load_all, spawn  # noqa: E402
+from _dist_harness import assert_sd_close as _assert_sd_close, case_result, load_all, spawn  # noqa: E402
 
 SPAWN_DEADLINE = 300.0
 pytestmark = pytest.mark.timeout(int(SPAWN_DEADLINE + 120))
@@ -26,6 +26,7 @@ WORLDS = [1, 2, 3, 4]
 TRAIN = W.train_cases()
 BY_NAME = {c["name"]: c for c in TRAIN}
 RTOL, ATOL = 1e-5, 1e-6
+assert_sd_close = functools.partial(_assert_sd_close, rtol=RTOL, atol=ATOL)  # this file's tolerances by default
 
 _RUNS: dict = {}
 
@@ -55,14 +56,6 @@ def _get(run, world, name, rank=0):
 @functools.lru_cache(maxsize=None)
 def reference(name: str):
     return W.reference(BY_NAME[name])
-
-
-def assert_sd_close(got, want, what, rtol=RTOL, atol=ATOL):
-    assert list(got) == list(want), f"{what}: keys {list(got)}, expected {list(want)}"
-    for k in want:
-        g, w = got[k], want[k]
-        assert g.shape == w.shape and g.dtype == w.dtype, f"{what}[{k}]: {g.shape} {g.dtype} vs {w.shape} {w.dtype}"
-        torch.testing.assert_close(g, w, rtol=rtol, atol=atol, msg=lambda m: f"{what}[{k}]: {m}")
 
 
 @pytest.mark.parametrize("world", WORLDS)

@@ -14,6 +14,7 @@ buffer; funcopt eager / scripted and ``torch.optim`` optimizers.
 """
 from __future__ import annotations
 
+import functools
 import re
 
 import pytest
@@ -24,11 +25,12 @@ if not dist.is_available() or not dist.is_gloo_available():
     pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
 
 import _dist_zero3_ckpt_work as C  # noqa: E402
-from _dist_harness import case_result, load_all, spawn  # noqa: E402
+from _dist_harness import assert_sd_close as _assert_sd_close, case_result, load_all, spawn  # noqa: E402
 
 SPAWN_DEADLINE = 300.0
 pytestmark = pytest.mark.timeout(int(3 * SPAWN_DEADLINE + 120))
 RTOL, ATOL = 1e-5, 1e-6
+assert_sd_close = functools.partial(_assert_sd_close, rtol=RTOL, atol=ATOL)  # this file's tolerances by default
 _RUNS: dict = {}
 
 
@@ -53,14 +55,6 @@ def run(dist_tmp):
 def _get(run, role, world, name, rank=0):
     spawned, results = run(role, world)
     return case_result(spawned, results, name, rank)
-
-
-def assert_sd_close(got, want, what, rtol=RTOL, atol=ATOL):
-    assert list(got) == list(want), f"{what}: keys {list(got)}, expected {list(want)}"
-    for k in want:
-        g, w = got[k], want[k]
-        assert g.shape == w.shape and g.dtype == w.dtype, f"{what}[{k}]: {g.shape} {g.dtype} vs {w.shape} {w.dtype}"
-        torch.testing.assert_close(g, w, rtol=rtol, atol=atol, msg=lambda m: f"{what}[{k}]: {m}")
 
 
 @pytest.mark.parametrize("world", [2, 3])
