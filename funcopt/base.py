@@ -63,15 +63,27 @@ _INDEX = re.compile(r"\b(gradient|parameter) (\d+)\b")
 _ERRORS = {"ValueError": ValueError, "RuntimeError": RuntimeError, "TypeError": TypeError}
 
 
-def _flatten_hyper(group: Dict[str, Any]) -> Dict[str, float]:
-    """Group dict -> the core's ``Dict[str, float]`` (tuples as key0, key1...)."""
+def _flatten_hyper(group: Dict[str, Any], codes: Optional[Dict[str, Dict[Any, float]]] = None) -> Dict[str, float]:
+    """Group dict -> the core's ``Dict[str, float]``: booleans as 0/1, tuples as
+    key0, key1... (``None`` inside a tuple as NaN), and values listed in
+    ``codes`` (the class's ``hyper_codes``, e.g. a string option) by their code."""
     out: Dict[str, float] = {}
     for key, value in group.items():
-        if key in ("params", "param_names") or key in _IMPL_KEYS or value is None:
+        if key in ("params", "param_names") or key in _IMPL_KEYS:
+            continue
+        if codes and key in codes:
+            table = codes[key]
+            if value in table:
+                out[key] = float(table[value])
+            continue
+        if value is None:
             continue
         if isinstance(value, (tuple, list)):
             for j, v in enumerate(value):
-                out[f"{key}{j}"] = float(v)
+                if v is None:
+                    out[f"{key}{j}"] = math.nan
+                elif isinstance(v, (bool, int, float, Tensor)):
+                    out[f"{key}{j}"] = float(v)
         elif isinstance(value, (bool, int, float, Tensor)):
             out[key] = float(value)
     return out
@@ -198,9 +210,15 @@ class Optimizer(torch.optim.Optimizer):
     """
 
     torch_class: type = torch.optim.Optimizer
-    core_class: type = object
+    kernel_class: type = object
     slots: Tuple[Tuple[str, Optional[str]], ...] = ()
-    fused_devices: Tuple[str, ...] = ("cpu", "cuda")
+    fused_devices: Tuple[str, ...] = ()
+    # the kernel's declarations, read by the shared core (funcopt/optimizers/_core.py)
+    sparse_msg: str = ""  # error for a sparse gradient ("" = sparse COO accepted, via Kernel.single)
+    split_first: bool = False  # first steps get their own kernel call (SGD's buffer = gradient)
+    init_at_construction: bool = False  # state for every parameter at construction (Adagrad)
+    hyper_codes: Dict[str, Dict[Any, float]] = {}  # non-numeric options -> floats for the core
+    whole_params: bool = False  # the rule needs each parameter whole (ZeRO: no flat partition)
 
     def __init__(self, params: Any, defaults: Dict[str, Any], impl: str = "auto") -> None:
         if impl not in IMPLS:
@@ -356,7 +374,7 @@ class Optimizer(torch.optim.Optimizer):
         )
         group_of = [g for g, group in enumerate(self.param_groups) for _ in group["params"]]
         buckets, fused = self._bucket(params, group_of)
-        hyper = [_flatten_hyper(g) for g in self.param_groups]
+        hyper = [_flatten_hyper(g, self.hyper_codes) for g in self.param_groups]
         names = [name for name, _ in self.slots]
         slots = Slots(params, group_of, buckets, fused, hyper, len(self.slots),
                       names.index("step") if "step" in names else -1)
@@ -405,14 +423,19 @@ class Optimizer(torch.optim.Optimizer):
             from .script import script_object
 
             if not isinstance(slots, torch.jit.RecursiveScriptClass):
-                self.core_class(slots)  # eager constructor work (e.g. Adagrad's initial state)
+                self._make_core(slots, self.kernel_class())  # eager constructor work (Adagrad's initial state)
                 slots = script_object(slots)
-            core = script_object(self.core_class(slots))
+            core = script_object(self._make_core(slots, script_object(self.kernel_class())))
         else:
-            core = self.core_class(slots)
+            core = self._make_core(slots, self.kernel_class())
         self._slots = slots
         self._core = core
         self._epoch = -1
+
+    def _make_core(self, slots: Any, kernel: Any) -> Any:
+        from .optimizers._core import Core
+
+        return Core(slots, kernel, self.sparse_msg, self.split_first, self.init_at_construction)
 
     def _script(self) -> None:
         with self._lock:
@@ -514,7 +537,7 @@ class Optimizer(torch.optim.Optimizer):
         start = 0
         for g, group in enumerate(self.param_groups):
             n = len(group["params"])
-            flat = _flatten_hyper(group)
+            flat = _flatten_hyper(group, self.hyper_codes)
             cached = self._hyper_cache[g]
             if flat == cached:
                 start += n

@@ -18,10 +18,8 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from .._slots import Slots
 from ..base import Optimizer
-from ._common import (bump, check_differentiable, found_inf_flag, real_views, scalars, skip_step, step_tensor,
-                      step_values, unscale, zeros_like)
+from ._common import scalars, step_tensor, step_values, zeros_like
 
 
 def adam(
@@ -42,22 +40,19 @@ def adam(
     fused: bool,
     grad_scale: Optional[Tensor] = None,
     found_inf: Optional[Tensor] = None,
-    step_base: Optional[Tensor] = None,
 ) -> None:
-    """Functional Adam/AdamW over aligned tensor lists, updated in place.
+    """Functional Adam/AdamW over aligned tensor lists, updated in place;
+    ``steps`` already bumped for this step.
 
     ``fused=True`` calls ``torch._fused_adam_`` / ``torch._fused_adamw_``
     (bitwise equal to ``torch.optim.Adam(fused=True)``); otherwise the formula
     below runs with ``torch._foreach_*`` ops in the order of torch's foreach
     implementation (bitwise equal to ``foreach=True``).  All lists must share
     one device and dtype; ``max_exp_avg_sqs`` may be empty unless ``amsgrad``.
-    ``step_base``: optional tensor whose elements are exactly ``steps`` (one
-    op bumps them all).
     """
     if len(params) == 0:
         return
     if fused:
-        bump(steps, step_base)
         if torch.compiler.is_compiling() and not amsgrad:
             # torch 2.13 cannot functionalize the in-place fused op with an empty
             # max_exp_avg_sqs list; its out-of-place twin (same kernel) compiles
@@ -82,15 +77,9 @@ def adam(
             torch._fused_adam_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
                                lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps,
                                amsgrad=amsgrad, maximize=maximize, grad_scale=grad_scale, found_inf=found_inf)
-        if found_inf is not None:  # 0.0 or 1.0 (found_inf_flag): undo the bump on a skipped step
-            torch._foreach_sub_(steps, [found_inf for _ in steps])
         return
-    if skip_step(found_inf):
-        return
-    grads = unscale(grads, grad_scale)
     if maximize:
         grads = torch._foreach_neg(grads)
-    bump(steps, step_base)
     if weight_decay != 0:
         if decoupled:
             torch._foreach_mul_(params, 1 - lr * weight_decay)
@@ -145,14 +134,14 @@ def adam_differentiable(
     decoupled: bool,
 ) -> None:
     """``differentiable=True`` (eager only, grad enabled): torch's single-tensor
-    formula in its differentiable form, so autograd sees the same graph."""
+    formula in its differentiable form, so autograd sees the same graph
+    (``steps`` already bumped)."""
     for i in range(len(params)):
         param = params[i]
         grad = grads[i] if not maximize else -grads[i]
         exp_avg = exp_avgs[i]
         exp_avg_sq = exp_avg_sqs[i]
         step_t = steps[i]
-        step_t += 1
         if weight_decay != 0:
             if decoupled:
                 param.mul_(1 - lr * weight_decay)
@@ -180,82 +169,38 @@ def adam_differentiable(
         param.addcdiv_(exp_avg.clone(), denom)
 
 
-class AdamCore:
-    """Scriptable Adam state and step (slots: step, exp_avg, exp_avg_sq, max_exp_avg_sq)."""
+class AdamKernel:
+    """Adam for the shared core (slots: step, exp_avg, exp_avg_sq, max_exp_avg_sq)."""
 
-    def __init__(self, slots: Slots):
-        self.slots = slots
+    def __init__(self) -> None:
+        self.name = "Adam"
 
-    def step(
-        self,
-        grads: List[Optional[Tensor]],
-        grad_scale: Optional[Tensor] = None,
-        found_inf: Optional[Tensor] = None,
-    ) -> None:
-        s = self.slots
-        # every check first (gradients, grad_scale/found_inf, differentiable), then changes
-        idx, gs, odd = s.select(grads, grad_scale, found_inf,
-                                 "Adam does not support sparse gradients, please consider SparseAdam instead")
-        for b in range(len(idx)):
-            if len(idx[b]) > 0 and s.hp(b).get("differentiable", 0.0) != 0.0:
-                check_differentiable(s.params, idx[b])
-        found_inf = found_inf_flag(found_inf)
-        for b in range(len(idx)):
-            if len(idx[b]) == 0:
-                continue
-            h = s.hp(b)
-            fused = s.bucket_fused[b]
-            amsgrad = h["amsgrad"] != 0.0
-            diff = h.get("differentiable", 0.0) != 0.0
-            with torch.no_grad():
-                for i in s.missing(b, idx[b]):
-                    p = s.params[i]
-                    vmax = zeros_like(p) if amsgrad else torch.empty(0)
-                    s.init(i, [step_tensor(p, fused), zeros_like(p), zeros_like(p), vmax])
-            if diff:
-                if not torch.jit.is_scripting():
-                    self._differentiable(b, idx[b], gs[b], h, grad_scale, found_inf)
-            elif odd[b]:
-                fi, fg, si, sg, _pi, _pg = s.partition(b, idx[b], gs[b])
-                with torch.no_grad():
-                    self._apply(b, fi, fg, fused, h, grad_scale, found_inf)
-                    self._apply(b, si, sg, False, h, grad_scale, found_inf)
-            else:
-                with torch.no_grad():
-                    self._apply(b, idx[b], gs[b], fused, h, grad_scale, found_inf)
-        s.release()
+    def init(self, p: Tensor, fused: bool, h: Dict[str, float]) -> List[Tensor]:
+        vmax = zeros_like(p) if h["amsgrad"] != 0.0 else torch.empty(0)
+        return [step_tensor(p, fused), zeros_like(p), zeros_like(p), vmax]
 
-    def _apply(self, b: int, idx: List[int], grads: List[Tensor], fused: bool, h: Dict[str, float],
-               grad_scale: Optional[Tensor], found_inf: Optional[Tensor]) -> None:
-        if len(idx) == 0:
-            return
-        s = self.slots
+    def check(self, params: List[Tensor], idx: List[int], grads: List[Tensor], h: Dict[str, float],
+              odd: bool) -> None:
+        pass
+
+    def dense(self, params: List[Tensor], grads: List[Tensor], state: List[List[Tensor]],
+              h: Dict[str, float], fused: bool, first: bool, grad_scale: Optional[Tensor],
+              found_inf: Optional[Tensor]) -> None:
         amsgrad = h["amsgrad"] != 0.0
-        L = s.lists(b, idx)
-        params, exp_avgs, exp_avg_sqs = L[0], L[2], L[3]
-        vmax = L[4] if amsgrad else s.keep([])
-        if params[0].is_complex():  # one dtype per bucket; never fused
-            params, exp_avgs, exp_avg_sqs = s.keep(real_views(params)), s.keep(real_views(exp_avgs)), s.keep(real_views(exp_avg_sqs))
-            grads = real_views(grads)
-            if amsgrad:
-                vmax = s.keep(real_views(vmax))
-        adam(params, grads, exp_avgs, exp_avg_sqs, vmax, L[1],
+        vmax = state[3] if amsgrad else torch.jit.annotate(List[Tensor], [])
+        adam(params, grads, state[1], state[2], vmax, state[0],
              h["lr"], h["betas0"], h["betas1"], h["eps"], h["weight_decay"],
              amsgrad, h["maximize"] != 0.0, h["decoupled_weight_decay"] != 0.0,
-             fused, grad_scale, found_inf, s.step_base(b, idx))
+             fused, grad_scale, found_inf)
 
-    @torch.jit.unused
-    def _differentiable(self, b: int, idx: List[int], grads: List[Tensor], h: Dict[str, float],
-                        grad_scale: Optional[Tensor], found_inf: Optional[Tensor]) -> None:
-        if skip_step(found_inf):
-            return
-        grads = unscale(grads, grad_scale)
-        L = self.slots.lists(b, idx)
-        amsgrad = h["amsgrad"] != 0.0
-        with torch.enable_grad():
-            adam_differentiable(L[0], grads, L[2], L[3], L[4] if amsgrad else [], L[1],
+    def single(self, params: List[Tensor], grads: List[Tensor], state: List[List[Tensor]],
+               h: Dict[str, float], first: bool) -> List[List[Tensor]]:
+        if not torch.jit.is_scripting():  # differentiable=True only (sparse gradients are refused)
+            amsgrad = h["amsgrad"] != 0.0
+            adam_differentiable(params, grads, state[1], state[2], state[3] if amsgrad else [], state[0],
                                 h["lr"], h["betas0"], h["betas1"], h["eps"], h["weight_decay"],
                                 amsgrad, h["maximize"] != 0.0, h["decoupled_weight_decay"] != 0.0)
+        return state
 
 
 class Adam(Optimizer):
@@ -289,7 +234,8 @@ class Adam(Optimizer):
     """
 
     torch_class = torch.optim.Adam
-    core_class = AdamCore
+    kernel_class = AdamKernel
+    sparse_msg = "Adam does not support sparse gradients, please consider SparseAdam instead"
     slots = (("step", None), ("exp_avg", None), ("exp_avg_sq", None), ("max_exp_avg_sq", "amsgrad"))
     fused_devices = ("cpu", "cuda", "mps", "xpu")
 

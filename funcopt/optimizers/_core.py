@@ -1,0 +1,250 @@
+"""The step skeleton, written once, and the interface an algorithm implements.
+
+An algorithm is a *kernel*: a small TorchScript-compatible class in its own
+file (``funcopt/optimizers/<name>.py``) with four methods (:class:`Kernel`).
+:class:`Core` -- the object ``funcopt.script`` compiles and the distributed
+layers step -- does everything else, the same way for every algorithm:
+
+* validation of the whole gradient list (and of ``grad_scale`` /
+  ``found_inf``) before anything changes (:meth:`funcopt._slots.Slots.select`),
+  then the kernel's own checks (:meth:`Kernel.check`);
+* ``None`` gradients skipped; buckets (one group, device and dtype) stepped
+  by one kernel call each;
+* state allocated on a parameter's first gradient (:meth:`Kernel.init`), or
+  for every parameter at construction (``init_at_construction``, Adagrad);
+* AMP: on the foreach path a nonzero ``found_inf`` skips the step (one host
+  read) and gradients are divided by ``grad_scale`` before the kernel sees
+  them; a fused kernel gets both (0/1 flag, no host sync) and the step
+  counters it bumped are put back on a skipped step;
+* the step counters (the slot named ``step``) bumped once per step, with one
+  op per bucket where they are views of one tensor;
+* complex parameters stepped through real views (every complex tensor of the
+  call, state included);
+* tensors a fused kernel cannot take (strided, non-contiguous state) routed
+  through the foreach formula, sparse COO gradients through the per-tensor
+  formula (:meth:`Kernel.single`), ``differentiable=True`` through the
+  per-tensor formula with autograd on (eager only).
+
+TorchScript classes cannot inherit, so the core *holds* its kernel through a
+``torch.jit.interface``: one compiled core type serves every algorithm.
+"""
+from typing import List, Optional
+
+import torch
+from torch import Tensor
+
+from .._slots import Slots
+from ._common import bump, check_differentiable, found_inf_flag, real_views, skip_step, unscale
+
+from typing import Dict  # noqa: E402  (TorchScript resolves annotations by name)
+
+
+@torch.jit.interface
+class Kernel:
+    """What one algorithm implements (a class with these methods, no base class).
+
+    ``h`` is the parameter group's hyperparameters as floats (booleans 0/1,
+    tuples as ``key0``, ``key1``..., ``None`` inside a tuple as NaN, strings
+    through the optimizer class's ``hyper_codes``).  ``state`` holds one list
+    per slot, in the optimizer class's ``slots`` order, aligned with
+    ``params``; a slot absent for the group (its flag off) holds empty
+    tensors.  The slot named ``step`` is bumped by the core before ``dense``
+    and ``single`` run: kernels read it, never bump it.
+    """
+
+    def init(self, p: Tensor, fused: bool, h: Dict[str, float]) -> List[Tensor]:
+        """Fresh state for ``p``: one tensor per slot (``torch.empty(0)`` for an
+        absent slot).  Step counters: ``_common.step_tensor(p, fused)``."""
+        pass
+
+    def check(self, params: List[Tensor], idx: List[int], grads: List[Tensor], h: Dict[str, float],
+              odd: bool) -> None:
+        """Raise for input this algorithm refuses (before any change).
+        ``params[idx[j]]`` has gradient ``grads[j]``; ``odd``: the list holds
+        a sparse or strided gradient.  Most kernels: ``pass``."""
+        pass
+
+    def dense(self, params: List[Tensor], grads: List[Tensor], state: List[List[Tensor]],
+              h: Dict[str, float], fused: bool, first: bool, grad_scale: Optional[Tensor],
+              found_inf: Optional[Tensor]) -> None:
+        """The update rule over aligned lists of one device and dtype, in place.
+
+        ``fused``: call the ATen fused kernel (only where the optimizer class
+        lists the device in ``fused_devices``), passing ``grad_scale`` and
+        ``found_inf`` (a 0.0/1.0 float32 tensor) on.  Otherwise the foreach
+        formula, in torch's foreach order; ``grad_scale`` and ``found_inf``
+        are then None (the core has unscaled and checked).  ``first``: every
+        parameter is on its first step (only with ``split_first``).  Never
+        write into ``grads``' tensors unless you made them (out-of-place ops)."""
+        pass
+
+    def single(self, params: List[Tensor], grads: List[Tensor], state: List[List[Tensor]],
+               h: Dict[str, float], first: bool) -> List[List[Tensor]]:
+        """torch's per-tensor formula: sparse COO gradients (only when the
+        class's ``sparse_msg`` is empty) and ``differentiable=True`` (eager,
+        autograd on; ``h["differentiable"]`` is 1.0).  Returns ``state``
+        (new tensors where ``first`` created them)."""
+        pass
+
+
+class Core:
+    """Scriptable state and step of one optimizer: a :class:`Slots` and a kernel."""
+
+    def __init__(self, slots: Slots, kernel: Kernel, sparse_msg: str, split_first: bool,
+                 init_at_construction: bool):
+        self.slots = slots
+        self.kernel = kernel
+        self.sparse_msg = sparse_msg
+        self.split_first = split_first
+        if init_at_construction:
+            for b in range(len(slots.buckets)):
+                h = slots.hp(b)
+                for i in slots.buckets[b]:
+                    if not slots.has_state[i]:
+                        with torch.no_grad():
+                            slots.init(i, kernel.init(slots.params[i], slots.bucket_fused[b], h))
+
+    def step(
+        self,
+        grads: List[Optional[Tensor]],
+        grad_scale: Optional[Tensor] = None,
+        found_inf: Optional[Tensor] = None,
+    ) -> None:
+        s = self.slots
+        # every check first, then changes
+        idx, gs, odd = s.select(grads, grad_scale, found_inf, self.sparse_msg)
+        for b in range(len(idx)):
+            if len(idx[b]) == 0:
+                continue
+            h = s.hp(b)
+            if h.get("differentiable", 0.0) != 0.0:
+                check_differentiable(s.params, idx[b])
+            self.kernel.check(s.params, idx[b], gs[b], h, odd[b])
+        found_inf = found_inf_flag(found_inf)
+        for b in range(len(idx)):
+            if len(idx[b]) == 0:
+                continue
+            h = s.hp(b)
+            fused = s.bucket_fused[b]
+            if h.get("differentiable", 0.0) != 0.0:
+                if not torch.jit.is_scripting():
+                    self._differentiable(b, idx[b], gs[b], h, grad_scale, found_inf)
+                continue
+            with torch.no_grad():
+                if odd[b]:
+                    fi, fg, si, sg, pi, pg = s.partition(b, idx[b], gs[b])
+                    self._dense(b, fi, fg, fused, h, grad_scale, found_inf)
+                    self._dense(b, si, sg, False, h, grad_scale, found_inf)
+                    self._single(b, pi, pg, h, grad_scale, found_inf)
+                else:
+                    self._dense(b, idx[b], gs[b], fused, h, grad_scale, found_inf)
+        s.release()
+
+    def _dense(self, b: int, idx: List[int], grads: List[Tensor], fused: bool, h: Dict[str, float],
+               grad_scale: Optional[Tensor], found_inf: Optional[Tensor]) -> None:
+        if len(idx) == 0:
+            return
+        s = self.slots
+        new = s.missing(b, idx)
+        if len(new) == 0:
+            self._apply(b, idx, grads, fused, False, h, grad_scale, found_inf)
+            return
+        if not self.split_first:
+            for i in new:
+                s.init(i, self.kernel.init(s.params[i], fused, h))
+            self._apply(b, idx, grads, fused, False, h, grad_scale, found_inf)
+            return
+        # first steps apart (e.g. SGD's buffer starts as the gradient); a
+        # skipped first step leaves no state behind (one host read, first steps only)
+        if skip_step(found_inf):
+            return
+        gnew: List[Tensor] = []
+        old: List[int] = []
+        gold: List[Tensor] = []
+        for j in range(len(idx)):
+            i = idx[j]
+            if i in new:
+                gnew.append(grads[j])
+            else:
+                old.append(i)
+                gold.append(grads[j])
+        for i in new:
+            s.init(i, self.kernel.init(s.params[i], fused, h))
+        self._apply(b, new, gnew, fused, True, h, grad_scale, found_inf)
+        self._apply(b, old, gold, fused, False, h, grad_scale, found_inf)
+
+    def _apply(self, b: int, idx: List[int], grads: List[Tensor], fused: bool, first: bool,
+               h: Dict[str, float], grad_scale: Optional[Tensor], found_inf: Optional[Tensor]) -> None:
+        if len(idx) == 0:
+            return
+        s = self.slots
+        if not fused:
+            if skip_step(found_inf):
+                return
+            grads = unscale(grads, grad_scale)
+            grad_scale = None
+            found_inf = None
+        L = s.lists(b, idx)
+        params = L[0]
+        state: List[List[Tensor]] = []
+        for k in range(s.num_slots):
+            state.append(L[k + 1])
+        if s.step_slot >= 0:
+            bump(state[s.step_slot], s.step_base(b, idx))
+        if params[0].is_complex():  # one dtype per bucket; never fused
+            params = s.keep(real_views(params))
+            grads = real_views(grads)
+            for k in range(len(state)):
+                col = state[k]
+                if len(col) > 0 and col[0].is_complex():
+                    state[k] = s.keep(real_views(col))
+        self.kernel.dense(params, grads, state, h, fused, first, grad_scale, found_inf)
+        if fused and found_inf is not None and s.step_slot >= 0:
+            # found_inf is 0.0 or 1.0 (found_inf_flag): undo the bump on a skipped step
+            steps = state[s.step_slot]
+            torch._foreach_sub_(steps, [found_inf for _ in steps])
+
+    def _single(self, b: int, idx: List[int], grads: List[Tensor], h: Dict[str, float],
+                grad_scale: Optional[Tensor], found_inf: Optional[Tensor]) -> None:
+        """Per tensor: sparse COO gradients (and, eagerly, differentiable=True)."""
+        if len(idx) == 0 or skip_step(found_inf):
+            return
+        s = self.slots
+        gl: List[Tensor] = []
+        for g in grads:
+            gl.append(g if grad_scale is None else g / grad_scale.reshape([]))
+        if not self.split_first:
+            for i in s.missing(b, idx):
+                s.init(i, self.kernel.init(s.params[i], False, h))
+            self._single_call(idx, gl, h, False)
+            return
+        had = [s.has_state[i] for i in idx]
+        for first in [True, False]:
+            sub: List[int] = []
+            gsub: List[Tensor] = []
+            for j in range(len(idx)):
+                if had[j] != first:
+                    sub.append(idx[j])
+                    gsub.append(gl[j])
+            if len(sub) > 0:
+                self._single_call(sub, gsub, h, first)
+
+    def _single_call(self, idx: List[int], grads: List[Tensor], h: Dict[str, float], first: bool) -> None:
+        s = self.slots
+        params: List[Tensor] = [s.params[i] for i in idx]
+        state: List[List[Tensor]] = []
+        for k in range(s.num_slots):
+            col = s.state[k]
+            state.append(s.keep([col[i] if not first else torch.empty(0) for i in idx]))
+        if s.step_slot >= 0 and not first:
+            bump(state[s.step_slot])
+        out = self.kernel.single(params, grads, state, h, first)
+        if first:
+            for j in range(len(idx)):
+                s.init(idx[j], [out[k][j] for k in range(s.num_slots)])
+
+    @torch.jit.unused
+    def _differentiable(self, b: int, idx: List[int], grads: List[Tensor], h: Dict[str, float],
+                        grad_scale: Optional[Tensor], found_inf: Optional[Tensor]) -> None:
+        with torch.enable_grad():
+            self._single(b, idx, grads, h, grad_scale, found_inf)
