@@ -7,12 +7,11 @@ where the same kernel runs, with the same ``state_dict`` format.
 """
 from . import registry
 from .base import Optimizer
-from .optimizers.adagrad import Adagrad
-from .optimizers.adam import Adam
-from .optimizers.adamw import AdamW
-from .optimizers.sgd import SGD
 from .registry import REGISTRY
 from .script import script
 
-__all__ = ["Optimizer", "SGD", "Adam", "AdamW", "Adagrad", "REGISTRY", "registry", "script"]
+# every registered algorithm, by its torch.optim name (funcopt.SGD, funcopt.Adam, ...)
+globals().update({name: spec.cls for name, spec in REGISTRY.items()})
+
+__all__ = ["Optimizer", *REGISTRY, "REGISTRY", "registry", "script"]
 __version__ = "0.1.0"

@@ -1,22 +1,21 @@
 """The algorithm registry: one entry per algorithm.
 
-Tests (parity, contracts), the docs tables and the distributed layers iterate
-over ``REGISTRY``; adding an algorithm is one file in ``optimizers/`` plus one
-line here.
+Tests (parity, contracts), the docs tables, the benchmarks and the
+distributed layers iterate over ``REGISTRY``; adding an algorithm is one file
+in ``optimizers/`` (its kernel and thin class, see ``optimizers/_core.py``)
+plus one ``AlgorithmSpec`` line here.  ``funcopt`` exports every registered
+class at the top level.
 """
 from __future__ import annotations
 
+import importlib
 import itertools
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, List, Optional, Type
+from typing import Any, Dict, Iterator, List, Optional, Type, Union
 
 import torch
 
 from .base import Optimizer
-from .optimizers.adagrad import Adagrad
-from .optimizers.adam import Adam
-from .optimizers.adamw import AdamW
-from .optimizers.sgd import SGD
 
 
 @dataclass(frozen=True)
@@ -24,17 +23,38 @@ class AlgorithmSpec:
     """What the rest of funcopt needs to know about one algorithm.
 
     Attributes:
-      name: the ``torch.optim`` class name.
-      cls: the funcopt optimizer class.
+      name: the ``torch.optim`` class name (funcopt's class has the same name).
+      cls: the funcopt optimizer class, or the name of its module in
+        ``funcopt.optimizers`` (the class is that module's attribute ``name``).
       grid: hyperparameter values for the parity tests; every combination
         torch accepts is tested (invalid ones are skipped by asking torch).
       base: hyperparameters applied to every grid point (e.g. a larger lr).
+      rich: one configuration with most options on, for the tests that run a
+        single configuration per algorithm (layouts, AMP, complex, ZeRO, RPC);
+        defaults to ``base``.
+
+    The oracle is ``cls.torch_class``: the ``torch.optim`` class, or for an
+    algorithm torch lacks (Lion) a plain per-tensor ``torch.optim.Optimizer``
+    written from the paper, shipped next to the kernel.
     """
 
     name: str
-    cls: Type[Optimizer]
+    cls: Union[Type[Optimizer], str]
     grid: Dict[str, List[Any]] = field(default_factory=dict)
     base: Dict[str, Any] = field(default_factory=dict)
+    rich: Optional[Dict[str, Any]] = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.cls, str):
+            module = importlib.import_module(f"{__package__}.optimizers.{self.cls}")
+            object.__setattr__(self, "cls", getattr(module, self.name))
+        if self.rich is None:
+            object.__setattr__(self, "rich", dict(self.base))
+
+    @property
+    def whole_params(self) -> bool:
+        """The rule needs each parameter whole (ZeRO places parameters, never cuts them)."""
+        return bool(getattr(self.cls, "whole_params", False))
 
     @property
     def torch_cls(self) -> type:
@@ -57,15 +77,15 @@ class AlgorithmSpec:
 
 
 _SPECS = [
-    AlgorithmSpec("SGD", SGD, base=dict(lr=0.05), grid=dict(
+    AlgorithmSpec("SGD", "sgd", base=dict(lr=0.05), grid=dict(
         momentum=[0.0, 0.9], dampening=[0.0, 0.3], nesterov=[False, True],
         weight_decay=[0.0, 0.1], maximize=[False, True])),
-    AlgorithmSpec("Adam", Adam, base=dict(lr=0.01), grid=dict(
+    AlgorithmSpec("Adam", "adam", base=dict(lr=0.01), grid=dict(
         betas=[(0.9, 0.999), (0.5, 0.9)], weight_decay=[0.0, 0.1], amsgrad=[False, True],
         maximize=[False, True], decoupled_weight_decay=[False, True])),
-    AlgorithmSpec("AdamW", AdamW, base=dict(lr=0.01), grid=dict(
+    AlgorithmSpec("AdamW", "adamw", base=dict(lr=0.01), grid=dict(
         weight_decay=[0.0, 0.1], amsgrad=[False, True], maximize=[False, True], eps=[1e-8, 1e-3])),
-    AlgorithmSpec("Adagrad", Adagrad, base=dict(lr=0.05), grid=dict(
+    AlgorithmSpec("Adagrad", "adagrad", base=dict(lr=0.05), grid=dict(
         lr_decay=[0.0, 0.01], weight_decay=[0.0, 0.1], initial_accumulator_value=[0.0, 0.1],
         maximize=[False, True], eps=[1e-10, 1e-3])),
 ]
@@ -78,9 +98,21 @@ def get(name_or_class: Any) -> AlgorithmSpec:
     for spec in _SPECS:
         if name_or_class in (spec.name, spec.cls, spec.torch_cls):
             return spec
+    label = getattr(name_or_class, "__name__", name_or_class)
+    if label in _OUT_OF_SCOPE:
+        raise KeyError(
+            f"funcopt has no {label}: {_OUT_OF_SCOPE[label]}; supported: {', '.join(REGISTRY)}"
+        )
     raise KeyError(
         f"no funcopt algorithm for {name_or_class!r}; known: {', '.join(REGISTRY)}"
     )
+
+
+# torch.optim classes funcopt does not implement, and why
+_OUT_OF_SCOPE = {
+    "LBFGS": "its step is a closure-driven line search, not an update rule over a gradient list",
+    "SparseAdam": "it is defined for sparse gradients only; use Adam (dense) or Adagrad/SGD (sparse COO)",
+}
 
 
 def markdown() -> str:
