@@ -88,6 +88,10 @@ _SPECS = [
     AlgorithmSpec("Adagrad", "adagrad", base=dict(lr=0.05), grid=dict(
         lr_decay=[0.0, 0.01], weight_decay=[0.0, 0.1], initial_accumulator_value=[0.0, 0.1],
         maximize=[False, True], eps=[1e-10, 1e-3])),
+    AlgorithmSpec("RMSprop", "rmsprop", base=dict(lr=0.01), grid=dict(
+        alpha=[0.99, 0.9], eps=[1e-8, 1e-3], weight_decay=[0.0, 0.1], momentum=[0.0, 0.9],
+        centered=[False, True], maximize=[False, True]),
+        rich=dict(lr=0.01, alpha=0.9, weight_decay=0.1, momentum=0.9, centered=True)),
 ]
 
 REGISTRY: Dict[str, AlgorithmSpec] = {s.name: s for s in _SPECS}
