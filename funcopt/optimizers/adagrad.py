@@ -15,10 +15,8 @@ from typing import Any, Dict, List, Optional
 import torch
 from torch import Tensor
 
-from .._slots import Slots
 from ..base import Optimizer
-from ._common import (bump, check_differentiable, found_inf_flag, full_like, real_views, scalars, skip_step,
-                      step_tensor, step_values, unscale)
+from ._common import full_like, scalars, step_tensor, step_values
 
 
 def adagrad(
@@ -34,28 +32,21 @@ def adagrad(
     fused: bool,
     grad_scale: Optional[Tensor] = None,
     found_inf: Optional[Tensor] = None,
-    step_base: Optional[Tensor] = None,
 ) -> None:
-    """Functional Adagrad over aligned lists, in place (``torch._fused_adagrad_``
-    when ``fused``, else torch's foreach order: bitwise equal to torch.optim)."""
+    """Functional Adagrad over aligned lists, in place, ``steps`` already bumped
+    (``torch._fused_adagrad_`` when ``fused``, else torch's foreach order:
+    bitwise equal to torch.optim)."""
     if len(params) == 0:
         return
     if fused and torch.compiler.is_compiling():
         fused = False  # torch 2.13 has no fake kernel for this fused op; the foreach formula compiles
     if fused:
-        bump(steps, step_base)
         torch._fused_adagrad_(params, grads, state_sums, steps, lr=lr, lr_decay=lr_decay,
                               weight_decay=weight_decay, eps=eps, maximize=maximize,
                               grad_scale=grad_scale, found_inf=found_inf)
-        if found_inf is not None:  # 0.0 or 1.0 (found_inf_flag): undo the bump on a skipped step
-            torch._foreach_sub_(steps, [found_inf for _ in steps])
         return
-    if skip_step(found_inf):
-        return
-    grads = unscale(grads, grad_scale)
     if maximize:
         grads = torch._foreach_neg(grads)
-    bump(steps, step_base)
     if weight_decay != 0:
         if maximize:
             torch._foreach_add_(grads, params, alpha=weight_decay)
@@ -93,15 +84,13 @@ def adagrad_single(
     maximize: bool,
     differentiable: bool,
 ) -> None:
-    """torch's single-tensor Adagrad, in place: sparse COO gradients (only the
-    rows present are updated; no weight decay, checked by the caller) and the
-    differentiable step."""
+    """torch's single-tensor Adagrad, in place, ``steps`` already bumped: sparse
+    COO gradients (only the rows present are updated; no weight decay,
+    checked by the caller) and the differentiable step."""
     for j in range(len(params)):
         param = params[j]
         state_sum = state_sums[j]
-        step_t = steps[j]
-        step_t += 1
-        step = step_t.item()
+        step = steps[j].item()
         grad = grads[j] if not maximize else -grads[j]
         if weight_decay != 0:
             grad = grad.add(param, alpha=weight_decay)
@@ -128,101 +117,39 @@ def adagrad_single(
             param.addcdiv_(grad, std, value=-clr)
 
 
-class AdagradCore:
-    """Scriptable Adagrad state and step (slots: step, sum).
+class AdagradKernel:
+    """Adagrad for the shared core (slots: step, sum; state from construction, as torch)."""
 
-    State exists from construction, as in torch; constructing a core over
-    slots that already hold state keeps it."""
+    def __init__(self) -> None:
+        self.name = "Adagrad"
 
-    def __init__(self, slots: Slots):
-        self.slots = slots
-        has = slots.has_state
-        params = slots.params
-        fused = slots.bucket_fused
-        buckets = slots.buckets
-        for b in range(len(buckets)):
-            init = slots.hp(b)["initial_accumulator_value"]
-            for i in buckets[b]:
-                if not has[i]:
-                    p = params[i]
-                    if p.is_complex():  # torch: complex(init, init)
-                        acc = torch.empty_like(p, memory_format=torch.preserve_format)
-                        torch.view_as_real(acc).fill_(init)
-                    else:
-                        acc = full_like(p, init)
-                    slots.init(i, [step_tensor(p, fused[b]), acc])
-
-    def step(
-        self,
-        grads: List[Optional[Tensor]],
-        grad_scale: Optional[Tensor] = None,
-        found_inf: Optional[Tensor] = None,
-    ) -> None:
-        s = self.slots
-        # every check first (gradients, grad_scale/found_inf, differentiable,
-        # weight decay with sparse gradients), then changes
-        idx, gs, odd = s.select(grads, grad_scale, found_inf, "")
-        for b in range(len(idx)):
-            if len(idx[b]) == 0:
-                continue
-            h = s.hp(b)
-            if h.get("differentiable", 0.0) != 0.0:
-                check_differentiable(s.params, idx[b])
-            if odd[b] and h["weight_decay"] != 0:
-                for g in gs[b]:
-                    if g.is_sparse:
-                        raise RuntimeError("weight_decay option is not compatible with sparse gradients")
-        found_inf = found_inf_flag(found_inf)
-        for b in range(len(idx)):
-            if len(idx[b]) == 0:
-                continue
-            h = s.hp(b)
-            fused = s.bucket_fused[b]
-            if h.get("differentiable", 0.0) != 0.0:
-                if not torch.jit.is_scripting():
-                    self._single(b, idx[b], gs[b], h, grad_scale, found_inf, True)
-                continue
-            if odd[b]:
-                fi, fg, si, sg, pi, pg = s.partition(b, idx[b], gs[b])
-                with torch.no_grad():
-                    self._apply(b, fi, fg, fused, h, grad_scale, found_inf)
-                    self._apply(b, si, sg, False, h, grad_scale, found_inf)
-                    self._single(b, pi, pg, h, grad_scale, found_inf, False)
-            else:
-                with torch.no_grad():
-                    self._apply(b, idx[b], gs[b], fused, h, grad_scale, found_inf)
-        s.release()
-
-    def _apply(self, b: int, idx: List[int], grads: List[Tensor], fused: bool, h: Dict[str, float],
-               grad_scale: Optional[Tensor], found_inf: Optional[Tensor]) -> None:
-        if len(idx) == 0:
-            return
-        s = self.slots
-        L = s.lists(b, idx)
-        params, sums = L[0], L[2]
-        if params[0].is_complex():  # one dtype per bucket; never fused
-            params, sums = s.keep(real_views(params)), s.keep(real_views(sums))
-            grads = real_views(grads)
-        adagrad(params, grads, sums, L[1], h["lr"], h["lr_decay"], h["weight_decay"], h["eps"],
-                h["maximize"] != 0.0, fused, grad_scale, found_inf, s.step_base(b, idx))
-
-    def _single(self, b: int, idx: List[int], grads: List[Tensor], h: Dict[str, float],
-                grad_scale: Optional[Tensor], found_inf: Optional[Tensor], differentiable: bool) -> None:
-        """Per tensor (sparse COO gradients; differentiable=True, eager)."""
-        if len(idx) == 0 or skip_step(found_inf):
-            return
-        s = self.slots
-        L = s.lists(b, idx)
-        gl: List[Tensor] = []
-        for g in grads:
-            gl.append(g if grad_scale is None else g / grad_scale.reshape([]))
-        if differentiable and not torch.jit.is_scripting():
-            with torch.enable_grad():
-                adagrad_single(L[0], gl, L[2], L[1], h["lr"], h["lr_decay"], h["weight_decay"], h["eps"],
-                               h["maximize"] != 0.0, True)
+    def init(self, p: Tensor, fused: bool, h: Dict[str, float]) -> List[Tensor]:
+        init = h["initial_accumulator_value"]
+        if p.is_complex():  # torch: complex(init, init)
+            acc = torch.empty_like(p, memory_format=torch.preserve_format)
+            torch.view_as_real(acc).fill_(init)
         else:
-            adagrad_single(L[0], gl, L[2], L[1], h["lr"], h["lr_decay"], h["weight_decay"], h["eps"],
-                           h["maximize"] != 0.0, False)
+            acc = full_like(p, init)
+        return [step_tensor(p, fused), acc]
+
+    def check(self, params: List[Tensor], idx: List[int], grads: List[Tensor], h: Dict[str, float],
+              odd: bool) -> None:
+        if odd and h["weight_decay"] != 0:
+            for g in grads:
+                if g.is_sparse:
+                    raise RuntimeError("weight_decay option is not compatible with sparse gradients")
+
+    def dense(self, params: List[Tensor], grads: List[Tensor], state: List[List[Tensor]],
+              h: Dict[str, float], fused: bool, first: bool, grad_scale: Optional[Tensor],
+              found_inf: Optional[Tensor]) -> None:
+        adagrad(params, grads, state[1], state[0], h["lr"], h["lr_decay"], h["weight_decay"], h["eps"],
+                h["maximize"] != 0.0, fused, grad_scale, found_inf)
+
+    def single(self, params: List[Tensor], grads: List[Tensor], state: List[List[Tensor]],
+               h: Dict[str, float], first: bool) -> List[List[Tensor]]:
+        adagrad_single(params, grads, state[1], state[0], h["lr"], h["lr_decay"], h["weight_decay"], h["eps"],
+                       h["maximize"] != 0.0, h.get("differentiable", 0.0) != 0.0)
+        return state
 
 
 class Adagrad(Optimizer):
@@ -253,7 +180,8 @@ class Adagrad(Optimizer):
     """
 
     torch_class = torch.optim.Adagrad
-    core_class = AdagradCore
+    kernel_class = AdagradKernel
+    init_at_construction = True
     slots = (("step", None), ("sum", None))
     fused_devices = ("cpu",)
 

@@ -16,9 +16,7 @@ from typing import Any, Dict, List, Optional
 import torch
 from torch import Tensor
 
-from .._slots import Slots
 from ..base import Optimizer
-from ._common import check_differentiable, found_inf_flag, skip_step, unscale
 
 
 def sgd(
@@ -42,7 +40,8 @@ def sgd(
     the buffers are (allocated, uninitialised) and receive the gradient, as
     torch.optim does on a parameter's first step.  ``fused=True`` calls
     ``torch._fused_sgd_`` (bitwise equal to ``torch.optim.SGD(fused=True)``);
-    otherwise torch's foreach order (bitwise equal to ``foreach=True``).
+    otherwise torch's foreach order (bitwise equal to ``foreach=True``; the
+    caller has unscaled the gradients and checked ``found_inf``).
     """
     if len(params) == 0:
         return
@@ -53,9 +52,6 @@ def sgd(
                           lr=lr, dampening=dampening, nesterov=nesterov, maximize=maximize,
                           is_first_step=first_step, grad_scale=grad_scale, found_inf=found_inf)
         return
-    if skip_step(found_inf):
-        return
-    grads = unscale(grads, grad_scale)
     if maximize:
         grads = torch._foreach_neg(grads)
     if weight_decay != 0:
@@ -111,129 +107,46 @@ def sgd_single(
         param.add_(grad, alpha=-lr)
 
 
-class SGDCore:
-    """Scriptable SGD state and step (slot: momentum_buffer)."""
+class SGDKernel:
+    """SGD for the shared core (slot: momentum_buffer, created from the first gradient)."""
 
-    def __init__(self, slots: Slots):
-        self.slots = slots
+    def __init__(self) -> None:
+        self.name = "SGD"
 
-    def step(
-        self,
-        grads: List[Optional[Tensor]],
-        grad_scale: Optional[Tensor] = None,
-        found_inf: Optional[Tensor] = None,
-    ) -> None:
-        s = self.slots
-        # every check first (gradients, grad_scale/found_inf, differentiable), then changes
-        idx, gs, odd = s.select(grads, grad_scale, found_inf, "")
-        for b in range(len(idx)):
-            if len(idx[b]) == 0:
-                continue
-            h = s.hp(b)
-            if h.get("differentiable", 0.0) != 0.0:
-                check_differentiable(s.params, idx[b])
-            if odd[b] and h["weight_decay"] != 0:
-                for g in gs[b]:
-                    if g.is_sparse:  # torch.optim.SGD fails on it too, mid-step
-                        raise RuntimeError(
-                            "funcopt: SGD's weight_decay is not compatible with sparse gradients "
-                            "(torch.optim.SGD: add(sparse, dense) is not supported)"
-                        )
-        found_inf = found_inf_flag(found_inf)
-        for b in range(len(idx)):
-            if len(idx[b]) == 0:
-                continue
-            h = s.hp(b)
-            fused = s.bucket_fused[b]
-            if h.get("differentiable", 0.0) != 0.0:
-                if not torch.jit.is_scripting():
-                    self._single(idx[b], gs[b], h, grad_scale, found_inf, True)
-                continue
-            if odd[b]:
-                fi, fg, si, sg, pi, pg = s.partition(b, idx[b], gs[b])
-                with torch.no_grad():
-                    self._dense(b, fi, fg, fused, h, grad_scale, found_inf)
-                    self._dense(b, si, sg, False, h, grad_scale, found_inf)
-                    self._single(pi, pg, h, grad_scale, found_inf, False)
-            else:
-                with torch.no_grad():
-                    self._dense(b, idx[b], gs[b], fused, h, grad_scale, found_inf)
-        s.release()
+    def init(self, p: Tensor, fused: bool, h: Dict[str, float]) -> List[Tensor]:
+        if h["momentum"] != 0:
+            return [torch.empty_like(p, memory_format=torch.preserve_format).zero_()]
+        return [torch.empty(0)]
 
-    def _dense(self, b: int, idx: List[int], gs: List[Tensor], fused: bool, h: Dict[str, float],
-               grad_scale: Optional[Tensor], found_inf: Optional[Tensor]) -> None:
-        if len(idx) == 0:
-            return
-        s = self.slots
+    def check(self, params: List[Tensor], idx: List[int], grads: List[Tensor], h: Dict[str, float],
+              odd: bool) -> None:
+        if odd and h["weight_decay"] != 0:
+            for g in grads:
+                if g.is_sparse:  # torch.optim.SGD fails on it too, mid-step
+                    raise RuntimeError(
+                        "funcopt: SGD's weight_decay is not compatible with sparse gradients "
+                        "(torch.optim.SGD: add(sparse, dense) is not supported)"
+                    )
+
+    def dense(self, params: List[Tensor], grads: List[Tensor], state: List[List[Tensor]],
+              h: Dict[str, float], fused: bool, first: bool, grad_scale: Optional[Tensor],
+              found_inf: Optional[Tensor]) -> None:
         momentum = h["momentum"]
-        new = s.missing(b, idx)
-        if len(new) > 0 and skip_step(found_inf):
-            # a skipped first step must leave no buffer behind (the next
-            # real step is the first); one host read, on first steps only
-            return
-        if len(new) > 0:
-            # parameters on their first step get their buffer from the gradient
-            gnew: List[Tensor] = []
-            for i in new:
-                p = s.params[i]
-                buf = torch.empty_like(p, memory_format=torch.preserve_format).zero_() if momentum != 0 else torch.empty(0)
-                s.init(i, [buf])
-                gnew.append(gs[idx.index(i)])
-            self._apply(b, new, gnew, True, fused, h, grad_scale, found_inf)
-            if len(new) == len(idx):
-                return
-            old: List[int] = []
-            gold: List[Tensor] = []
-            for j in range(len(idx)):
-                if idx[j] not in new:
-                    old.append(idx[j])
-                    gold.append(gs[j])
-            self._apply(b, old, gold, False, fused, h, grad_scale, found_inf)
-        else:
-            self._apply(b, idx, gs, False, fused, h, grad_scale, found_inf)
+        bufs = state[0] if momentum != 0 else torch.jit.annotate(List[Tensor], [])
+        sgd(params, grads, bufs, first, h["lr"], momentum, h["dampening"], h["weight_decay"],
+            h["nesterov"] != 0.0, h["maximize"] != 0.0, fused, grad_scale, found_inf)
 
-    def _apply(self, b: int, idx: List[int], grads: List[Tensor], first: bool, fused: bool,
-               h: Dict[str, float], grad_scale: Optional[Tensor], found_inf: Optional[Tensor]) -> None:
-        L = self.slots.lists(b, idx)
+    def single(self, params: List[Tensor], grads: List[Tensor], state: List[List[Tensor]],
+               h: Dict[str, float], first: bool) -> List[List[Tensor]]:
         momentum = h["momentum"]
-        sgd(L[0], grads, L[1] if momentum != 0 else self.slots.keep([]), first, h["lr"], momentum,
-            h["dampening"], h["weight_decay"], h["nesterov"] != 0.0, h["maximize"] != 0.0, fused,
-            grad_scale, found_inf)
-
-    def _single(self, idx: List[int], grads: List[Tensor], h: Dict[str, float], grad_scale: Optional[Tensor],
-                found_inf: Optional[Tensor], differentiable: bool) -> None:
-        """Per tensor (sparse COO gradients; differentiable=True, eager)."""
-        if len(idx) == 0 or skip_step(found_inf):
-            return
-        s = self.slots
-        momentum = h["momentum"]
-        had = [s.has_state[i] for i in idx]
-        for first in [True, False]:
-            params: List[Tensor] = []
-            gl: List[Tensor] = []
-            bufs: List[Tensor] = []
-            sub: List[int] = []
-            for j in range(len(idx)):
-                i = idx[j]
-                if had[j] != first:
-                    sub.append(i)
-                    params.append(s.params[i])
-                    g = grads[j]
-                    gl.append(g if grad_scale is None else g / grad_scale.reshape([]))
-                    if momentum != 0:
-                        bufs.append(s.state[0][i] if not first else torch.empty(0))
-            if len(sub) == 0:
-                continue
-            if differentiable and not torch.jit.is_scripting():
-                with torch.enable_grad():
-                    sgd_single(params, gl, bufs, first, h["lr"], momentum, h["dampening"], h["weight_decay"],
-                               h["nesterov"] != 0.0, h["maximize"] != 0.0)
-            else:
-                sgd_single(params, gl, bufs, first, h["lr"], momentum, h["dampening"], h["weight_decay"],
-                           h["nesterov"] != 0.0, h["maximize"] != 0.0)
-            if first:
-                for j in range(len(sub)):
-                    s.init(sub[j], [bufs[j] if momentum != 0 else torch.empty(0)])
+        bufs: List[Tensor] = []
+        if momentum != 0:
+            bufs = state[0]
+        sgd_single(params, grads, bufs, first, h["lr"], momentum, h["dampening"], h["weight_decay"],
+                   h["nesterov"] != 0.0, h["maximize"] != 0.0)
+        if momentum != 0:
+            return [bufs]
+        return state
 
 
 class SGD(Optimizer):
@@ -264,7 +177,8 @@ class SGD(Optimizer):
     """
 
     torch_class = torch.optim.SGD
-    core_class = SGDCore
+    kernel_class = SGDKernel
+    split_first = True
     slots = (("momentum_buffer", "momentum"),)
     fused_devices = ("cpu", "cuda", "mps", "xpu")
 
