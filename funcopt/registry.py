@@ -51,6 +51,22 @@ class AlgorithmSpec:
         if self.rich is None:
             object.__setattr__(self, "rich", dict(self.base))
 
+    def configs(self) -> List[Dict[str, Any]]:
+        """``rich``, plus ``rich`` with ``maximize=True`` where torch accepts it:
+        the configurations single-configuration tests run."""
+        out = [dict(self.rich)]
+        try:
+            self.torch_cls([torch.zeros(self.probe_shape, requires_grad=True)], **dict(self.rich, maximize=True))
+            out.append(dict(self.rich, maximize=True))
+        except (TypeError, ValueError, RuntimeError):
+            pass
+        return out
+
+    @property
+    def probe_shape(self) -> tuple:
+        """A parameter shape torch's class accepts (Muon: 2-D only)."""
+        return tuple(getattr(self.cls, "probe_shape", (1,)))
+
     @property
     def whole_params(self) -> bool:
         """The rule needs each parameter whole (ZeRO places parameters, never cuts them)."""
@@ -70,7 +86,7 @@ class AlgorithmSpec:
         for values in itertools.product(*(self.grid[k] for k in keys)):
             kw = dict(self.base, **dict(zip(keys, values)))
             try:
-                self.torch_cls([torch.zeros(1, requires_grad=True)], **kw)
+                self.torch_cls([torch.zeros(self.probe_shape, requires_grad=True)], **kw)
             except (ValueError, RuntimeError):
                 continue
             yield kw
@@ -79,15 +95,19 @@ class AlgorithmSpec:
 _SPECS = [
     AlgorithmSpec("SGD", "sgd", base=dict(lr=0.05), grid=dict(
         momentum=[0.0, 0.9], dampening=[0.0, 0.3], nesterov=[False, True],
-        weight_decay=[0.0, 0.1], maximize=[False, True])),
+        weight_decay=[0.0, 0.1], maximize=[False, True]),
+        rich=dict(lr=0.05, momentum=0.9, weight_decay=0.1, nesterov=True)),
     AlgorithmSpec("Adam", "adam", base=dict(lr=0.01), grid=dict(
         betas=[(0.9, 0.999), (0.5, 0.9)], weight_decay=[0.0, 0.1], amsgrad=[False, True],
-        maximize=[False, True], decoupled_weight_decay=[False, True])),
+        maximize=[False, True], decoupled_weight_decay=[False, True]),
+        rich=dict(lr=0.01, amsgrad=True, weight_decay=0.1)),
     AlgorithmSpec("AdamW", "adamw", base=dict(lr=0.01), grid=dict(
-        weight_decay=[0.0, 0.1], amsgrad=[False, True], maximize=[False, True], eps=[1e-8, 1e-3])),
+        weight_decay=[0.0, 0.1], amsgrad=[False, True], maximize=[False, True], eps=[1e-8, 1e-3]),
+        rich=dict(lr=0.01, amsgrad=True)),
     AlgorithmSpec("Adagrad", "adagrad", base=dict(lr=0.05), grid=dict(
         lr_decay=[0.0, 0.01], weight_decay=[0.0, 0.1], initial_accumulator_value=[0.0, 0.1],
-        maximize=[False, True], eps=[1e-10, 1e-3])),
+        maximize=[False, True], eps=[1e-10, 1e-3]),
+        rich=dict(lr=0.05, lr_decay=0.01, weight_decay=0.1, initial_accumulator_value=0.1)),
     AlgorithmSpec("RMSprop", "rmsprop", base=dict(lr=0.01), grid=dict(
         alpha=[0.99, 0.9], eps=[1e-8, 1e-3], weight_decay=[0.0, 0.1], momentum=[0.0, 0.9],
         centered=[False, True], maximize=[False, True]),
