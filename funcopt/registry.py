@@ -112,6 +112,9 @@ _SPECS = [
         alpha=[0.99, 0.9], eps=[1e-8, 1e-3], weight_decay=[0.0, 0.1], momentum=[0.0, 0.9],
         centered=[False, True], maximize=[False, True]),
         rich=dict(lr=0.01, alpha=0.9, weight_decay=0.1, momentum=0.9, centered=True)),
+    AlgorithmSpec("Adamax", "adamax", base=dict(lr=0.01), grid=dict(
+        betas=[(0.9, 0.999), (0.5, 0.9)], eps=[1e-8, 1e-3], weight_decay=[0.0, 0.1], maximize=[False, True]),
+        rich=dict(lr=0.01, betas=(0.5, 0.9), weight_decay=0.1)),
 ]
 
 REGISTRY: Dict[str, AlgorithmSpec] = {s.name: s for s in _SPECS}
