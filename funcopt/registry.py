@@ -115,6 +115,13 @@ _SPECS = [
     AlgorithmSpec("Adamax", "adamax", base=dict(lr=0.01), grid=dict(
         betas=[(0.9, 0.999), (0.5, 0.9)], eps=[1e-8, 1e-3], weight_decay=[0.0, 0.1], maximize=[False, True]),
         rich=dict(lr=0.01, betas=(0.5, 0.9), weight_decay=0.1)),
+    AlgorithmSpec("Adadelta", "adadelta", base=dict(lr=1.0), grid=dict(
+        rho=[0.9, 0.5], eps=[1e-6, 1e-3], weight_decay=[0.0, 0.1], maximize=[False, True]),
+        rich=dict(lr=1.0, rho=0.5, weight_decay=0.1)),
+    AlgorithmSpec("NAdam", "nadam", base=dict(lr=0.01), grid=dict(
+        betas=[(0.9, 0.999), (0.5, 0.9)], weight_decay=[0.0, 0.1], momentum_decay=[4e-3, 0.05],
+        decoupled_weight_decay=[False, True], maximize=[False, True]),
+        rich=dict(lr=0.01, betas=(0.5, 0.9), weight_decay=0.1, momentum_decay=0.05, decoupled_weight_decay=True)),
 ]
 
 REGISTRY: Dict[str, AlgorithmSpec] = {s.name: s for s in _SPECS}
