@@ -21,12 +21,7 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 ALGOS = list(REGISTRY)
 IMPLS = {"auto": {}, "fused": dict(fused=True), "foreach": dict(foreach=True)}
 MODES = ["eager", "scripted"]
-KW = {
-    "SGD": dict(lr=0.05, momentum=0.9, dampening=0.1),
-    "Adam": dict(lr=0.01, amsgrad=True, weight_decay=0.1),
-    "AdamW": dict(lr=0.01, amsgrad=True),
-    "Adagrad": dict(lr=0.05, lr_decay=0.01, weight_decay=0.1),
-}
+KW = {name: spec.rich for name, spec in REGISTRY.items()}
 
 
 def _make(name, impl, mode, params, **extra):
@@ -110,12 +105,19 @@ def test_skipped_first_step_leaves_no_state(name, impl, mode):
         opt.step(_grads(params, 0), found_inf=torch.tensor(v))
         assert all(torch.equal(a, b) for a, b in zip(before[0], params))
     state = opt.state_dict()["state"]
-    if name == "SGD":
-        assert state == {}, "a skipped first SGD step left momentum buffers"
-    else:  # torch.optim allocates state on a skipped first step too: zeros, step 0
-        for entry in state.values():
+    if REGISTRY[name].cls.split_first:
+        assert state == {}, f"a skipped first {name} step left state behind"
+    else:  # torch.optim allocates state on a skipped first step too: as initialised, step 0
+        fresh = _make(name, impl, "eager", [p.detach().clone().requires_grad_() for p in params])
+        fresh.step([torch.zeros_like(p) for p in params], found_inf=torch.tensor(1.0))
+        initial = fresh.state_dict()["state"]
+        assert set(state) == set(initial)
+        for i, entry in state.items():
+            assert set(entry) == set(initial[i])
             for k, v in entry.items():
-                assert not v.any(), (k, v)
+                assert torch.equal(v, initial[i][k]), (k, v)
+            if "step" in entry:
+                assert float(entry["step"]) == 0.0
 
 
 def _bad_amp():

@@ -195,14 +195,7 @@ def test_sparse_with_grad_scale_and_found_inf():
 
 
 # ------------------------------------------------------------------ complex
-COMPLEX_KW = {
-    "SGD": [dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.1), dict(lr=0.05, maximize=True)],
-    "Adam": [dict(lr=0.01, amsgrad=True, weight_decay=0.1), dict(lr=0.01, maximize=True, decoupled_weight_decay=True,
-                                                               weight_decay=0.1)],
-    "AdamW": [dict(lr=0.01, amsgrad=True), dict(lr=0.01, maximize=True)],
-    "Adagrad": [dict(lr=0.05, lr_decay=0.01, initial_accumulator_value=0.1, weight_decay=0.1),
-                dict(lr=0.05, maximize=True)],
-}
+COMPLEX_KW = {name: spec.configs() for name, spec in REGISTRY.items()}
 
 
 @pytest.mark.parametrize("dtype", [torch.complex64, torch.complex128], ids=["c64", "c128"])

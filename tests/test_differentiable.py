@@ -5,6 +5,7 @@ parameters' starting values, the gradients and the state built on the way);
 ``torch.autograd.gradcheck`` checks our gradients numerically as torch's own
 TestDifferentiableOptimizer does.  Scripted and fused refuse it clearly.
 """
+import inspect
 import re
 
 import pytest
@@ -16,15 +17,9 @@ from funcopt.registry import REGISTRY
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
-KW = {
-    "SGD": [dict(lr=0.5, momentum=0.9, nesterov=True, weight_decay=0.1), dict(lr=0.5, momentum=0.9, dampening=0.2,
-                                                                             maximize=True), dict(lr=0.5)],
-    "Adam": [dict(lr=0.5, amsgrad=True, weight_decay=0.1), dict(lr=0.5, maximize=True, decoupled_weight_decay=True,
-                                                               weight_decay=0.1)],
-    "AdamW": [dict(lr=0.5, amsgrad=True), dict(lr=0.5, maximize=True)],
-    "Adagrad": [dict(lr=0.5, lr_decay=0.01, weight_decay=0.1, initial_accumulator_value=0.1), dict(lr=0.5,
-                                                                                                   maximize=True)],
-}
+# every registered algorithm that torch lets differentiate: its configs with a large lr
+KW = {name: [dict(kw, lr=0.5) for kw in spec.configs()] for name, spec in REGISTRY.items()
+      if "differentiable" in inspect.signature(spec.torch_cls.__init__).parameters}
 CASES = [pytest.param(n, kw, id=f"{n}-{j}") for n, kws in KW.items() for j, kw in enumerate(kws)]
 STEPS = 3
 

@@ -17,12 +17,7 @@ from funcopt.registry import REGISTRY
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
-KW = {
-    "SGD": dict(lr=0.05, momentum=0.9, weight_decay=0.1, nesterov=True),
-    "Adam": dict(lr=0.01, amsgrad=True, weight_decay=0.1),
-    "AdamW": dict(lr=0.01, amsgrad=True),
-    "Adagrad": dict(lr=0.05, lr_decay=0.01, weight_decay=0.1, initial_accumulator_value=0.1),
-}
+KW = {name: spec.rich for name, spec in REGISTRY.items()}
 IMPLS = {"auto": {}, "fused": dict(fused=True), "foreach": dict(foreach=True)}
 STEPS = 3
 

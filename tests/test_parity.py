@@ -69,7 +69,7 @@ def test_matches_torch_optim(name, kw, dtype, impl, scripted):
     gen = torch.Generator().manual_seed(1)
     # torch's fused SGD cannot take a first step with some momentum buffers
     # missing (it indexes None); keep the None-at-step-0 case to the others.
-    with_none = not (impl == "fused" and name == "SGD")
+    with_none = not (impl == "fused" and spec.cls.split_first)
     for step in range(STEPS):
         grads = _grads(base, step, gen, with_none)
         fo.step(grads)
