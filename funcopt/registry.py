@@ -127,6 +127,38 @@ _SPECS = [
 REGISTRY: Dict[str, AlgorithmSpec] = {s.name: s for s in _SPECS}
 
 
+def register(spec: AlgorithmSpec) -> AlgorithmSpec:
+    """Add an algorithm defined outside funcopt (its formula file + this one
+    call); every layer (tests, docs, ZeRO, RPC, ``funcopt.<Name>``) sees it.
+
+    Example::
+
+        >>> import funcopt
+        >>> from funcopt.registry import AlgorithmSpec, register
+        >>> # register(AlgorithmSpec("Toy", ToyClass, base=dict(lr=0.1), grid=dict(momentum=[0.0, 0.5])))
+
+    Raises ``ValueError`` if the name is taken.
+    """
+    if spec.name in REGISTRY:
+        raise ValueError(f"an algorithm named {spec.name!r} is already registered")
+    _SPECS.append(spec)
+    REGISTRY[spec.name] = spec
+    import funcopt  # the package is imported by now (we are its submodule)
+
+    setattr(funcopt, spec.name, spec.cls)
+    return spec
+
+
+def unregister(name: str) -> None:
+    """Remove an algorithm added with :func:`register` (tests)."""
+    spec = REGISTRY.pop(name)
+    _SPECS.remove(spec)
+    import funcopt
+
+    if getattr(funcopt, name, None) is spec.cls:
+        delattr(funcopt, name)
+
+
 def get(name_or_class: Any) -> AlgorithmSpec:
     """Look up by name, funcopt class or the matching torch.optim class."""
     for spec in _SPECS:
