@@ -122,6 +122,9 @@ _SPECS = [
         betas=[(0.9, 0.999), (0.5, 0.9)], weight_decay=[0.0, 0.1], momentum_decay=[4e-3, 0.05],
         decoupled_weight_decay=[False, True], maximize=[False, True]),
         rich=dict(lr=0.01, betas=(0.5, 0.9), weight_decay=0.1, momentum_decay=0.05, decoupled_weight_decay=True)),
+    AlgorithmSpec("Rprop", "rprop", base=dict(lr=0.01), grid=dict(
+        lr=[0.01, 0.1], etas=[(0.5, 1.2), (0.3, 1.5)], step_sizes=[(1e-6, 50), (1e-3, 0.05)], maximize=[False, True]),
+        rich=dict(lr=0.01, etas=(0.3, 1.5), step_sizes=(1e-3, 0.05))),
 ]
 
 REGISTRY: Dict[str, AlgorithmSpec] = {s.name: s for s in _SPECS}
