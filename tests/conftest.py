@@ -58,3 +58,23 @@ def pytest_configure(config):
     which waking torch's thread pool costs more than the work (milliseconds per
     fused step on a busy 2-core machine).  Results do not depend on it."""
     torch.set_num_threads(1)
+
+
+# FUNCOPT_EXTRA_ALGORITHMS: paths of algorithm files (a formula file that ends
+# with its one ``registry.register(...)`` call) to load before collection, so
+# the registry-driven tests run over them too (tests/test_extending.py).
+def _load_extra_algorithms() -> None:
+    import importlib.util
+    import os
+
+    for path in filter(None, os.environ.get("FUNCOPT_EXTRA_ALGORITHMS", "").split(os.pathsep)):
+        name = "funcopt_extra_" + os.path.splitext(os.path.basename(path))[0]
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        import sys
+
+        sys.modules[name] = module  # TorchScript finds the kernel's source through its module
+        spec.loader.exec_module(module)
+
+
+_load_extra_algorithms()
