@@ -6,6 +6,7 @@ algorithm matches the ``torch.optim`` class of the same name, bit for bit
 where the same kernel runs, with the same ``state_dict`` format.
 """
 from . import registry
+from .backward import StepInBackward, step_in_backward
 from .base import Optimizer
 from .registry import REGISTRY
 from .script import script
@@ -13,5 +14,5 @@ from .script import script
 # every registered algorithm, by its torch.optim name (funcopt.SGD, funcopt.Adam, ...)
 globals().update({name: spec.cls for name, spec in REGISTRY.items()})
 
-__all__ = ["Optimizer", *REGISTRY, "REGISTRY", "registry", "script"]
+__all__ = ["Optimizer", *REGISTRY, "REGISTRY", "StepInBackward", "registry", "script", "step_in_backward"]
 __version__ = "0.1.0"
