@@ -51,7 +51,7 @@ _IMPL_KEYS = ("foreach", "fused", "capturable")
 # re-raised with their Python type: torch.jit.Error is not a RuntimeError
 _JIT_MSG = re.compile(
     r"(ValueError|RuntimeError|TypeError): "
-    r"((?:funcopt: |Adam does not support sparse|weight_decay option is not)[^\n]*)"
+    r"((?:funcopt: |\w+ does not support |weight_decay option is not|Param gradient must be)[^\n]*)"
 )
 # TorchScript prints a dtype as its c10::ScalarType number; the names, in order
 _SCALAR_TYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
@@ -219,6 +219,14 @@ class Optimizer(torch.optim.Optimizer):
     init_at_construction: bool = False  # state for every parameter at construction (Adagrad)
     hyper_codes: Dict[str, Dict[Any, float]] = {}  # non-numeric options -> floats for the core
     whole_params: bool = False  # the rule needs each parameter whole (ZeRO: no flat partition)
+    probe_shape: Tuple[int, ...] = (1,)  # a parameter torch_class accepts (Muon: 2-D), to ask it about options
+
+    @classmethod
+    def slot_shape(cls, name: str, p: Tensor) -> Optional[Tuple[int, ...]]:
+        """Shape of state slot ``name`` for parameter ``p``; ``None``: ``p`` has no
+        such slot.  Default: ``step`` 0-d, every other slot shaped like ``p``.
+        Adafactor overrides it (factored row/column state for matrices)."""
+        return () if name == "step" else tuple(p.shape)
 
     def __init__(self, params: Any, defaults: Dict[str, Any], impl: str = "auto") -> None:
         if impl not in IMPLS:
@@ -300,7 +308,7 @@ class Optimizer(torch.optim.Optimizer):
         """Raise torch's own error for invalid hyperparameters."""
         accepted = _torch_kwargs(self.torch_class)
         kwargs = {k: v for k, v in group.items() if k in accepted}
-        probe = torch.zeros(1, requires_grad=True)
+        probe = torch.zeros(self.probe_shape, requires_grad=True)
         self.torch_class([probe], **kwargs)
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
@@ -486,7 +494,7 @@ class Optimizer(torch.optim.Optimizer):
         slots = self._slots
         params = slots.params if not isinstance(slots, torch.jit.RecursiveScriptClass) else self._flat_params()
         for i, p in enumerate(params):
-            entry = self._state_entry(i)
+            entry = self._state_entry(i, p)
             if entry:
                 live._set_quiet(p, entry)
             elif dict.get(live, p) is not None:
@@ -505,7 +513,7 @@ class Optimizer(torch.optim.Optimizer):
         staged: Dict[int, Tuple[List[Tensor], bool]] = {}
         for i, p in enumerate(self._flat_params()):
             entry = dict.get(live, p)
-            current = self._state_entry(i)
+            current = self._state_entry(i, p)
             if not entry:
                 if current:
                     if self._state_at_construction:
@@ -715,11 +723,14 @@ class Optimizer(torch.optim.Optimizer):
     def _present(self, group: Dict[str, Any]) -> List[bool]:
         return [cond is None or bool(group.get(cond)) for _, cond in self.slots]
 
-    def _state_entry(self, i: int) -> Dict[str, Any]:
+    def _state_entry(self, i: int, p: Optional[Tensor] = None) -> Dict[str, Any]:
         slots = self._slots
         if not slots.state_present(i):
             return {}
         present = self._present(self._hyper_cache[self._group_of[i]])  # as last synced to the core
+        if type(self).slot_shape.__func__ is not Optimizer.slot_shape.__func__:  # slots that depend on p
+            p = self._flat_params()[i] if p is None else p
+            present = [on and self.slot_shape(name, p) is not None for on, (name, _) in zip(present, self.slots)]
         return {name: slots.get_state(k, i) for k, (name, _) in enumerate(self.slots) if present[k]}
 
     def state_dict(self) -> Dict[str, Any]:
@@ -821,8 +832,11 @@ class Optimizer(torch.optim.Optimizer):
 
     def _convert_entry(self, sid: Any, p: Tensor, entry: Dict[str, Any], group: Dict[str, Any]) -> List[Tensor]:
         fused = bool(group.get("fused")) or self._uses_fused(p)
-        slots = list(zip([n for n, _ in self.slots], self._present(group)))
+        names = [n for n, _ in self.slots]
+        shapes = {n: self.slot_shape(n, p) for n in names}
+        slots = [(n, on and shapes[n] is not None) for n, on in zip(names, self._present(group))]
         return state_format.convert_entry(type(self).__name__, sid, p, entry, slots, fused,
+                                          shapes=shapes,
                                           keep=bool(group.get("differentiable")))
 
     def _uses_fused(self, p: Tensor) -> bool:

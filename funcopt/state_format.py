@@ -149,7 +149,8 @@ def merge_group(saved: Mapping[str, Any], group: Mapping[str, Any], defaults: Ma
 
 
 def convert_entry(owner: str, sid: Any, p: Tensor, entry: Any, slots: Sequence[Tuple[str, bool]],
-                  step_on_param_device: bool, keep: bool = False) -> List[Tensor]:
+                  step_on_param_device: bool, keep: bool = False,
+                  shapes: Optional[Mapping[str, Any]] = None) -> List[Tensor]:
     """One parameter's saved state as tensors in slot order (``torch.empty(0)``
     for absent slots); raises ``ValueError`` naming the bad item.
 
@@ -161,7 +162,8 @@ def convert_entry(owner: str, sid: Any, p: Tensor, entry: Any, slots: Sequence[T
     parameter's dtype and device (torch.optim also casts floating state).
     ``keep`` (``differentiable=True`` groups): a tensor that already has the
     parameter's dtype, device and strides is used as it is, so gradients flow
-    through state the caller supplied, as in torch."""
+    through state the caller supplied, as in torch.  ``shapes``: a slot's shape
+    where it is not the parameter's (Adafactor's factored ``row_var``/``col_var``)."""
     expected = {name for name, on in slots if on}
     if not isinstance(entry, Mapping) or set(entry) != expected:
         got = sorted(map(str, entry)) if isinstance(entry, Mapping) else type(entry).__name__
@@ -188,16 +190,22 @@ def convert_entry(owner: str, sid: Any, p: Tensor, entry: Any, slots: Sequence[T
             continue
         if not isinstance(v, Tensor):
             raise ValueError(f"{owner}.load_state_dict: '{name}' of parameter {sid!r} is not a tensor")
-        if v.shape != p.shape:
+        want = tuple(p.shape) if shapes is None or shapes.get(name) is None else tuple(shapes[name])
+        if tuple(v.shape) != want:
             raise ValueError(
                 f"{owner}.load_state_dict: '{name}' of parameter {sid!r} has shape {tuple(v.shape)}, "
-                f"parameter has {tuple(p.shape)}"
+                + (f"parameter has {tuple(p.shape)}" if want == tuple(p.shape) else f"expected {want}")
             )
         if not (v.is_floating_point() or v.is_complex()) or v.is_complex() != p.is_complex():
             raise ValueError(
                 f"{owner}.load_state_dict: '{name}' of parameter {sid!r} has dtype {v.dtype}, "
                 f"parameter has {p.dtype}"
             )
+        if want != tuple(p.shape):
+            out = torch.empty(want, dtype=p.dtype, device=p.device)
+            out.copy_(v.detach())
+            vals.append(out)
+            continue
         if keep and v.dtype == p.dtype and v.device == p.device and v.stride() == p.stride():
             vals.append(v)
             continue
