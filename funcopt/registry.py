@@ -125,6 +125,10 @@ _SPECS = [
     AlgorithmSpec("Rprop", "rprop", base=dict(lr=0.01), grid=dict(
         lr=[0.01, 0.1], etas=[(0.5, 1.2), (0.3, 1.5)], step_sizes=[(1e-6, 50), (1e-3, 0.05)], maximize=[False, True]),
         rich=dict(lr=0.01, etas=(0.3, 1.5), step_sizes=(1e-3, 0.05))),
+    AlgorithmSpec("Adafactor", "adafactor", base=dict(lr=0.01), grid=dict(
+        beta2_decay=[-0.8, -0.5], eps=[(None, 1e-3), (1e-30, 1e-2)], d=[1.0, 1.5], weight_decay=[0.0, 0.1],
+        maximize=[False, True]),
+        rich=dict(lr=0.05, beta2_decay=-0.5, eps=(1e-30, 1e-2), d=1.5, weight_decay=0.1)),
 ]
 
 REGISTRY: Dict[str, AlgorithmSpec] = {s.name: s for s in _SPECS}
