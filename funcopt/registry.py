@@ -129,6 +129,10 @@ _SPECS = [
         beta2_decay=[-0.8, -0.5], eps=[(None, 1e-3), (1e-30, 1e-2)], d=[1.0, 1.5], weight_decay=[0.0, 0.1],
         maximize=[False, True]),
         rich=dict(lr=0.05, beta2_decay=-0.5, eps=(1e-30, 1e-2), d=1.5, weight_decay=0.1)),
+    AlgorithmSpec("RAdam", "radam", base=dict(lr=0.01), grid=dict(
+        betas=[(0.9, 0.999), (0.5, 0.9)], eps=[1e-8, 1e-3], weight_decay=[0.0, 0.1],
+        decoupled_weight_decay=[False, True], maximize=[False, True]),
+        rich=dict(lr=0.01, betas=(0.5, 0.9), weight_decay=0.1, decoupled_weight_decay=True)),
 ]
 
 REGISTRY: Dict[str, AlgorithmSpec] = {s.name: s for s in _SPECS}
