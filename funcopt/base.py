@@ -39,7 +39,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from . import state_format
+from . import _dtensor, state_format
 from ._slots import Slots
 
 IMPLS = ("auto", "foreach", "fused")
@@ -87,6 +87,17 @@ def _flatten_hyper(group: Dict[str, Any], codes: Optional[Dict[str, Dict[Any, fl
         elif isinstance(value, (bool, int, float, Tensor)):
             out[key] = float(value)
     return out
+
+
+@functools.lru_cache(maxsize=None)
+def _compile_kernel_class(cls: type) -> None:
+    from ._compat import scripting_unavailable
+
+    if scripting_unavailable() is None:
+        from .script import quiet_jit
+
+        with quiet_jit():
+            torch.jit.script(cls())  # an instance: compiles the class with its module's globals
 
 
 @functools.lru_cache(maxsize=None)
@@ -259,6 +270,8 @@ class Optimizer(torch.optim.Optimizer):
         d["_fused_unavailable"] = None
         d["_dup_error"] = None
         d["_state_at_construction"] = False
+        d["_dt"] = None  # DTensor parameters: the local shards the core steps (funcopt/_dtensor.py)
+        d["_dt_cache"] = {}
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name == "state" and "_state_flag" in self.__dict__:
@@ -373,6 +386,10 @@ class Optimizer(torch.optim.Optimizer):
         """(Re)build the slots and core over the current ``param_groups``;
         ``carry`` maps ``id(param)`` to state (slot order) that carries over."""
         params = self._flat_params()
+        # DTensor parameters (FSDP2, tensor parallel): an elementwise rule steps their local shards
+        self._dt = _dtensor.view_for(params, not self.whole_params and not any(
+            g.get("differentiable") for g in self.param_groups))
+        self._dt_cache = {}
         dup = state_format.find_duplicate(params)
         # torch only warns about a repeated parameter (and steps it twice); a
         # state_dict() of it works, a step is refused
@@ -384,7 +401,8 @@ class Optimizer(torch.optim.Optimizer):
         buckets, fused = self._bucket(params, group_of)
         hyper = [_flatten_hyper(g, self.hyper_codes) for g in self.param_groups]
         names = [name for name, _ in self.slots]
-        slots = Slots(params, group_of, buckets, fused, hyper, len(self.slots),
+        step_params = params if self._dt is None else self._dt.step_params
+        slots = Slots(step_params, group_of, buckets, fused, hyper, len(self.slots),
                       names.index("step") if "step" in names else -1)
         for i, p in enumerate(params):
             vals = carry.get(id(p))
@@ -401,7 +419,7 @@ class Optimizer(torch.optim.Optimizer):
         if slots is None:
             return {}
         out: Dict[int, List[Tensor]] = {}
-        for i, p in enumerate(slots.params):
+        for i, p in enumerate(slots.params if self._dt is None else self._dt.params):
             if slots.state_present(i):
                 out[id(p)] = [slots.get_state(k, i) for k in range(len(self.slots))]
         return out
@@ -469,9 +487,17 @@ class Optimizer(torch.optim.Optimizer):
 
         A core embedded in a user's ScriptModule is stepped by that module,
         outside this object's lock: the module must not step it from two
-        threads at once, nor while this optimizer steps."""
+        threads at once, nor while this optimizer steps.
+
+        An eager core's kernel class is compiled here (once per process,
+        quietly; not where this torch cannot script), because
+        ``torch.jit.script`` of a module holding the core can only convert
+        the kernel to the core's ``Kernel`` interface when its class is
+        already known to TorchScript."""
         with self._lock:
             self._prepare(refresh=True)
+            if not self._scripted:
+                _compile_kernel_class(type(self._core.kernel))
             return self._core
 
     # -------------------------------------------------------- synchronization
@@ -493,6 +519,8 @@ class Optimizer(torch.optim.Optimizer):
         live = self.state
         slots = self._slots
         params = slots.params if not isinstance(slots, torch.jit.RecursiveScriptClass) else self._flat_params()
+        if self._dt is not None:
+            params = self._dt.params
         for i, p in enumerate(params):
             entry = self._state_entry(i, p)
             if entry:
@@ -665,6 +693,13 @@ class Optimizer(torch.optim.Optimizer):
                     f"{type(self).__name__}.step: the gradient iterator gave nothing (already consumed?); "
                     f"pass a list with one tensor (or None) per parameter ({n})"
                 )
+        dt = self._dt
+        if dt is not None:
+            if dt.stale():
+                self._rebuild()
+                dt = self._dt
+            if dt is not None:
+                grads = dt.grads(grads)
         return grads
 
     def _not_tensors(self, grads: List[Any]) -> None:
@@ -731,7 +766,10 @@ class Optimizer(torch.optim.Optimizer):
         if type(self).slot_shape.__func__ is not Optimizer.slot_shape.__func__:  # slots that depend on p
             p = self._flat_params()[i] if p is None else p
             present = [on and self.slot_shape(name, p) is not None for on, (name, _) in zip(present, self.slots)]
-        return {name: slots.get_state(k, i) for k, (name, _) in enumerate(self.slots) if present[k]}
+        entry = {name: slots.get_state(k, i) for k, (name, _) in enumerate(self.slots) if present[k]}
+        if self._dt is not None:  # per-element state of a DTensor parameter, as a DTensor like it
+            entry = {name: self._dt.wrap(i, name, v, self._dt_cache) for name, v in entry.items()}
+        return entry
 
     def state_dict(self) -> Dict[str, Any]:
         """The exact ``state_dict`` format of ``torch_class`` (tensors by
@@ -831,6 +869,8 @@ class Optimizer(torch.optim.Optimizer):
                     dict.__setitem__(self.state, key[1], entry)
 
     def _convert_entry(self, sid: Any, p: Tensor, entry: Dict[str, Any], group: Dict[str, Any]) -> List[Tensor]:
+        if self._dt is not None and _dtensor.is_dtensor(p):  # checked and stored as this rank's shard
+            p, entry = self._dt.unwrap_entry(p, entry)
         fused = bool(group.get("fused")) or self._uses_fused(p)
         names = [n for n, _ in self.slots]
         shapes = {n: self.slot_shape(n, p) for n in names}

@@ -1,0 +1,100 @@
+"""Spawned ranks of ``test_fsdp2_dcp.py``: FSDP2 (``fully_shard``) and DDP with every
+registry algorithm, eager and scripted, checkpointed with torch.distributed.checkpoint.
+
+Per case (``{mode}-{algorithm}-{eager|scripted}``): SAVE steps, ``get_state_dict`` +
+``dcp.save``, TOTAL - SAVE more steps (the uninterrupted run); then a fresh model and
+optimizer, ``get_state_dict`` + ``dcp.load`` + ``set_state_dict``, the same TOTAL -
+SAVE steps (the resumed run).  Each rank returns both runs' full parameters and the
+full optimizer state dict (``get_optimizer_state_dict(full_state_dict=True)``); the
+parent compares them with a single-process torch.optim run on the full batch.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Dict, List
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict, get_state_dict,
+                                                     set_state_dict)
+
+from _dist_harness import Net, batch, local_slice, run_cases
+
+import funcopt
+from funcopt.registry import REGISTRY
+
+SAVE, TOTAL = 2, 4
+MODES = ("fsdp2", "ddp")
+
+
+def cases() -> List[Dict[str, Any]]:
+    """FSDP2 eager and scripted; DDP eager (a scripted step sees plain tensors there, as in
+    the single-process tests)."""
+    return [dict(name=f"{mode}-{name}-{'scripted' if s else 'eager'}", mode=mode, algo=name, scripted=s)
+            for mode in MODES for name in REGISTRY for s in ((False, True) if mode == "fsdp2" else (False,))]
+
+
+def build(case: Dict[str, Any]):
+    model = Net("small")
+    if case["mode"] == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in (model.l1, model.l2, model.l3):
+            fully_shard(layer)
+        fully_shard(model)
+        wrapped = model
+    else:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        wrapped = DDP(model)
+    spec = REGISTRY[case["algo"]]
+    opt = spec.cls(wrapped.parameters(), **spec.rich)
+    if case["scripted"]:
+        funcopt.script(opt)
+    return model, wrapped, opt
+
+
+def train(model: Net, wrapped: Any, opt: Any, steps: range) -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for step in steps:
+        x, y = batch(step, model)
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(wrapped(local_slice(x, rank, world)), local_slice(y, rank, world))
+        loss.backward()
+        opt.step()
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
+
+
+def run_case(case: Dict[str, Any], ckpt: str) -> Dict[str, Any]:
+    model, wrapped, opt = build(case)
+    train(model, wrapped, opt, range(0, SAVE))
+    msd, osd = get_state_dict(wrapped, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=ckpt)
+    train(model, wrapped, opt, range(SAVE, TOTAL))
+    straight = [full(p) for p in model.parameters()]
+    osd_full = get_optimizer_state_dict(wrapped, opt, options=StateDictOptions(full_state_dict=True))
+    state_types = sorted({type(v).__name__ for e in opt.state.values() for v in e.values()})
+
+    model2, wrapped2, opt2 = build(case)
+    msd2, osd2 = get_state_dict(wrapped2, opt2)
+    sd = {"model": msd2, "optim": osd2}
+    dcp.load(sd, checkpoint_id=ckpt)
+    set_state_dict(wrapped2, opt2, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    train(model2, wrapped2, opt2, range(SAVE, TOTAL))
+    resumed = [full(p) for p in model2.parameters()]
+    return dict(straight=straight, resumed=resumed, state_types=state_types,
+                osd={"state": {k: {n: full(v) if isinstance(v, torch.Tensor) else v for n, v in e.items()}
+                               for k, e in osd_full["state"].items()},
+                     "param_groups": osd_full["param_groups"]})
+
+
+def worker(rank: int, world: int, out_dir: str) -> None:
+    def runner(case: Dict[str, Any]) -> Any:
+        ckpt = os.path.join(out_dir, "ckpt", case["name"])
+        return run_case(case, ckpt)
+
+    run_cases(rank, out_dir, cases(), runner)
