@@ -20,7 +20,10 @@ def test_docs_table_is_generated_from_registry():
 def test_entry_is_consistent(name):
     spec = registry.REGISTRY[name]
     assert getattr(funcopt, name) is spec.cls
-    assert spec.torch_cls is getattr(torch.optim, name)
+    # the oracle: torch.optim's class of the same name, or (an algorithm torch
+    # lacks) a torch.optim.Optimizer written from the paper
+    assert spec.torch_cls is getattr(torch.optim, name, spec.torch_cls)
+    assert issubclass(spec.torch_cls, torch.optim.Optimizer)
     # lookup by name, funcopt class and torch class all give the entry
     assert registry.get(name) is registry.get(spec.cls) is registry.get(spec.torch_cls) is spec
     # construction defaults equal torch's (same param_groups keys and values)

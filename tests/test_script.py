@@ -23,11 +23,17 @@ import pytest
 import torch
 
 import funcopt
+from funcopt import registry
 from funcopt.registry import REGISTRY
 from funcopt.script import quiet_jit
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 IMPLS = ("foreach", "fused")
+
+
+def _impls(spec):
+    """``fused`` only where torch has a fused CPU kernel for the algorithm."""
+    return [i for i in IMPLS if i != "fused" or "cpu" in spec.fused_devices]
 N_STEPS = 10
 
 
@@ -53,7 +59,7 @@ def _module_cases() -> Dict[str, Any]:
         variants.append(("SGD-nesterov", REGISTRY["SGD"].cls, dict(REGISTRY["SGD"].base, momentum=0.9, nesterov=True)))
     if "Adam" in REGISTRY:
         variants.append(("Adam-amsgrad", REGISTRY["Adam"].cls, dict(REGISTRY["Adam"].base, amsgrad=True)))
-    return {f"{n}-{impl}": (cls, kw, impl) for n, cls, kw in variants for impl in IMPLS}
+    return {f"{n}-{impl}": (cls, kw, impl) for n, cls, kw in variants for impl in _impls(registry.get(cls))}
 
 
 MODULE_CASES = _module_cases()
@@ -222,7 +228,7 @@ ALL_COMBOS = [
     pytest.param(name, kw, impl, id=f"{name}-{impl}-{j}")
     for name, spec in REGISTRY.items()
     for j, kw in enumerate(spec.combos())
-    for impl in IMPLS
+    for impl in _impls(spec)
 ]
 
 
@@ -242,8 +248,7 @@ def test_script_matches_eager(name, kw, impl):
 # regressions for the TorchScript pitfalls
 
 
-@pytest.mark.parametrize("name", list(REGISTRY))
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("name,impl", [(n, i) for n, s in REGISTRY.items() for i in _impls(s)])
 def test_dce_subset_step_updates_params(name, impl):
     """A step over a subset of the parameters builds fresh lists for the
     kernel; the script compiler must not drop the in-place update."""
