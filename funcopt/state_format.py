@@ -196,13 +196,16 @@ def convert_entry(owner: str, sid: Any, p: Tensor, entry: Any, slots: Sequence[T
                 f"{owner}.load_state_dict: '{name}' of parameter {sid!r} has shape {tuple(v.shape)}, "
                 + (f"parameter has {tuple(p.shape)}" if want == tuple(p.shape) else f"expected {want}")
             )
-        if not (v.is_floating_point() or v.is_complex()) or v.is_complex() != p.is_complex():
+        # real state shaped otherwise than a complex parameter (NAdam's mu_product,
+        # ASGD's eta and mu: 0-d) stays real, in its dtype, as torch keeps it
+        real_aside = want != tuple(p.shape) and p.is_complex() and v.is_floating_point()
+        if not (v.is_floating_point() or v.is_complex()) or (v.is_complex() != p.is_complex() and not real_aside):
             raise ValueError(
                 f"{owner}.load_state_dict: '{name}' of parameter {sid!r} has dtype {v.dtype}, "
                 f"parameter has {p.dtype}"
             )
         if want != tuple(p.shape):
-            out = torch.empty(want, dtype=p.dtype, device=p.device)
+            out = torch.empty(want, dtype=v.dtype if real_aside else p.dtype, device=p.device)
             out.copy_(v.detach())
             vals.append(out)
             continue
