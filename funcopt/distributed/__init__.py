@@ -6,6 +6,7 @@ optimizer over its shard and calls ``step(grads)``.
 from ._comm import DistributedError
 from ._local import EagerFallbackWarning
 from .bucketer import ReduceScatterBucketer
+from .hooks import DDPStepHook, ddp_step_hook
 from .zero import Layout, Segment, make_layout
 from .rpc import DistributedOptimizer
 from .zero import ZeroRedundancyOptimizer
@@ -13,4 +14,4 @@ from .zero.root3 import Zero3Sequential
 from .zero.stage3 import Zero3Layer
 from .zero.wrap import zero3
 
-__all__ = ["DistributedError", "DistributedOptimizer", "EagerFallbackWarning", "Layout", "ReduceScatterBucketer", "Segment", "Zero3Layer", "Zero3Sequential", "ZeroRedundancyOptimizer", "make_layout", "zero3"]
+__all__ = ["DDPStepHook", "DistributedError", "DistributedOptimizer", "EagerFallbackWarning", "Layout", "ReduceScatterBucketer", "Segment", "Zero3Layer", "Zero3Sequential", "ZeroRedundancyOptimizer", "ddp_step_hook", "make_layout", "zero3"]
