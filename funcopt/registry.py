@@ -136,6 +136,9 @@ _SPECS = [
     AlgorithmSpec("ASGD", "asgd", base=dict(lr=0.05), grid=dict(
         lambd=[1e-4, 1e-2], alpha=[0.75, 0.5], t0=[1e6, 5.0], weight_decay=[0.0, 0.1], maximize=[False, True]),
         rich=dict(lr=0.05, lambd=1e-2, alpha=0.5, t0=5.0, weight_decay=0.1)),
+    AlgorithmSpec("Lion", "lion", base=dict(lr=0.01), grid=dict(
+        betas=[(0.9, 0.99), (0.5, 0.8)], weight_decay=[0.0, 0.1], maximize=[False, True]),
+        rich=dict(lr=0.01, betas=(0.5, 0.8), weight_decay=0.1)),
 ]
 
 REGISTRY: Dict[str, AlgorithmSpec] = {s.name: s for s in _SPECS}
