@@ -8,11 +8,12 @@ where the same kernel runs, with the same ``state_dict`` format.
 from . import registry
 from .backward import StepInBackward, step_in_backward
 from .base import Optimizer
+from .clip import clip_grad_norm_
 from .registry import REGISTRY
 from .script import script
 
 # every registered algorithm, by its torch.optim name (funcopt.SGD, funcopt.Adam, ...)
 globals().update({name: spec.cls for name, spec in REGISTRY.items()})
 
-__all__ = ["Optimizer", *REGISTRY, "REGISTRY", "StepInBackward", "registry", "script", "step_in_backward"]
+__all__ = ["Optimizer", *REGISTRY, "REGISTRY", "StepInBackward", "clip_grad_norm_", "registry", "script", "step_in_backward"]
 __version__ = "0.1.0"

@@ -1,0 +1,137 @@
+r"""Gradient clipping by global norm, functional and scriptable.
+
+``clip_grad_norm_(grads, max_norm)`` scales every gradient in place by
+``min(1, max_norm / (total + 1e-6))`` where ``total`` is the ``norm_type``-norm
+of all gradients taken together (the norm of the per-tensor norms)::
+
+    total = || [ ||g_1||_p, ||g_2||_p, ... ] ||_p        # p = inf: max |g|
+    g_i  *= clamp(max_norm / (total + 1e-6), max=1)
+
+It is ``torch.nn.utils.clip_grad_norm_`` over a gradient list instead of
+parameters: the same ops (``torch._foreach_norm`` per device and dtype, the
+norms stacked on the first gradient's device, one multiply by a 0-d tensor
+with no host sync), so the same values (bitwise; for gradients of several
+dtypes or devices the per-group norms are stacked in first-appearance order
+when scripted, where torch's order is its grouping's, so the total may differ
+in the last bit).  Works inside a ``torch.jit.script``-ed train step.
+"""
+import math
+from typing import List, Optional
+
+import torch
+from torch import Tensor
+from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
+
+__all__ = ["clip_grad_norm_", "total_norm", "clip_grads_with_norm_"]
+
+
+def _groups(tensors: List[Tensor]) -> List[List[Tensor]]:
+    """``tensors`` split by (device, dtype), order kept within a group."""
+    if not torch.jit.is_scripting():
+        return _torch_groups(tensors)
+    keys: List[str] = []
+    out: List[List[Tensor]] = []
+    for t in tensors:
+        key = str(t.device) + "/" + str(t.dtype)
+        found = -1
+        for k in range(len(keys)):
+            if keys[k] == key:
+                found = k
+        if found < 0:
+            keys.append(key)
+            out.append([t])
+        else:
+            out[found].append(t)
+    return out
+
+
+@torch.jit.unused
+def _torch_groups(tensors: List[Tensor]) -> List[List[Tensor]]:
+    """Eager: torch's own grouping, so the norms are stacked in torch's order."""
+    return [g[0][0] for g in _group_tensors_by_device_and_dtype([tensors]).values()]
+
+
+def _fmt(x: float) -> str:
+    """``str(x)`` as Python writes a float (TorchScript writes ``2.`` for 2.0)."""
+    if not torch.jit.is_scripting():
+        return str(float(x))
+    if math.isfinite(x) and x == float(int(x)) and abs(x) < 1e16:
+        return str(int(x)) + ".0"
+    return str(x)
+
+
+def total_norm(grads: List[Tensor], norm_type: float = 2.0, error_if_nonfinite: bool = False) -> Tensor:
+    """The ``norm_type``-norm of ``grads`` taken together (``torch.tensor(0.)`` for
+    an empty list), as ``torch.nn.utils.get_total_norm``.
+
+    Raises ``RuntimeError`` (torch's text) if ``error_if_nonfinite`` and the
+    norm is NaN or infinite (one host read)."""
+    if len(grads) == 0:
+        return torch.tensor(0.0)
+    first_device = grads[0].device
+    norms: List[Tensor] = []
+    for group in _groups(grads):
+        norms.extend(torch._foreach_norm(group, norm_type))
+    total = torch.linalg.vector_norm(torch.stack([n.to(first_device) for n in norms]), norm_type)
+    if error_if_nonfinite and bool(torch.logical_or(total.isnan(), total.isinf())):
+        raise RuntimeError(
+            "The total norm of order " + _fmt(norm_type) + " for gradients from `parameters` is non-finite, "
+            "so it cannot be clipped. To disable this error and scale the gradients by the non-finite norm "
+            "anyway, set `error_if_nonfinite=False`"
+        )
+    return total
+
+
+def clip_grads_with_norm_(grads: List[Tensor], max_norm: float, total: Tensor) -> None:
+    """Scale ``grads`` in place by ``clamp(max_norm / (total + 1e-6), max=1)`` (no host sync)."""
+    if len(grads) == 0:
+        return
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for group in _groups(grads):
+        c = coef.to(group[0].device)
+        if torch.jit.is_scripting():
+            # TorchScript drops an in-place foreach op on a freshly built list
+            # (funcopt/_slots.py); per tensor: the same multiply
+            for g in group:
+                g.mul_(c)
+        else:
+            torch._foreach_mul_(group, c)
+
+
+def clip_grad_norm_(grads: List[Optional[Tensor]], max_norm: float, norm_type: float = 2.0,
+                    error_if_nonfinite: bool = False) -> Tensor:
+    r"""Clip gradients in place by their global norm; returns the norm before clipping.
+
+    ``torch.nn.utils.clip_grad_norm_`` for a list of gradients (``None``
+    entries skipped), scriptable, so it can sit inside a
+    ``torch.jit.script``-ed ``train_step`` next to a scripted funcopt step.
+
+    Args:
+      grads: gradients, ``None`` for parameters without one.
+      max_norm: the largest norm the gradients may have after clipping.
+      norm_type: ``p`` of the norm, ``float('inf')`` for the max norm (default ``2.0``).
+      error_if_nonfinite: raise ``RuntimeError`` if the total norm is NaN or
+        infinite (default ``False``: the gradients are scaled by it anyway).
+
+    Returns:
+      The total norm (a 0-d tensor on the first gradient's device; ``tensor(0.)``
+      when there is no gradient).
+
+    Example::
+
+        >>> import torch, funcopt
+        >>> grads = [torch.full((2,), 3.0), None, torch.full((1,), 4.0) * 2 ** 0.5]
+        >>> funcopt.clip_grad_norm_(grads, max_norm=1.0)
+        tensor(7.)
+        >>> round(float(torch.cat([grads[0], grads[2]]).norm()), 4)
+        1.0
+    """
+    present: List[Tensor] = []
+    for g in grads:
+        if g is not None:
+            present.append(g)
+    norm_type = float(norm_type)
+    max_norm = float(max_norm)
+    total = total_norm(present, norm_type, error_if_nonfinite)
+    clip_grads_with_norm_(present, max_norm, total)
+    return total
