@@ -12,6 +12,7 @@ from .rpc import DistributedOptimizer
 from .zero import ZeroRedundancyOptimizer
 from .zero.root3 import Zero3Sequential
 from .zero.stage3 import Zero3Layer
+from .zero.overlap import hook_with_zero_step, hook_with_zero_step_interleaved
 from .zero.wrap import zero3
 
-__all__ = ["DDPStepHook", "DistributedError", "DistributedOptimizer", "EagerFallbackWarning", "Layout", "ReduceScatterBucketer", "Segment", "Zero3Layer", "Zero3Sequential", "ZeroRedundancyOptimizer", "ddp_step_hook", "make_layout", "zero3"]
+__all__ = ["DDPStepHook", "DistributedError", "DistributedOptimizer", "EagerFallbackWarning", "Layout", "ReduceScatterBucketer", "Segment", "Zero3Layer", "Zero3Sequential", "ZeroRedundancyOptimizer", "ddp_step_hook", "hook_with_zero_step", "hook_with_zero_step_interleaved", "make_layout", "zero3"]

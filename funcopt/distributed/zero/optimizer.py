@@ -13,6 +13,7 @@ ZeRO-2's gradient shards (``_grads.GradShards``), the sharded state
 """
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
@@ -27,6 +28,7 @@ from .. import _comm, _local
 from . import checkpoint
 from ._grads import GradShards
 from ._sync import ParamSync
+from .overlap import ZeroOverlap
 from .layout import PARTITIONS, Layout, Segment, make_layout
 from .state import Piece, ShardState, hyperparameters
 
@@ -77,7 +79,12 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
       parameters_as_bucket_view: make ``p.data`` views into one flat buffer
         per dtype, so the sync writes straight into the parameters
         (non-contiguous parameters keep their strides and are copied).
-      overlap_with_ddp: not supported yet (raises ``NotImplementedError``).
+      overlap_with_ddp: step inside DDP's backward: register
+        ``hook_with_zero_step`` (or ``_interleaved``) from
+        :mod:`funcopt.distributed.zero.overlap` as the DDP comm hook; each
+        bucket's owned ranges step as its all-reduce returns, the parameter
+        sync is waited for in forward pre-hooks, no iteration is skipped, and
+        ``step()`` is then a no-op (ZeRO-1, funcopt algorithms only).
       partition: ``"flat"`` (even contiguous ranges; the default for funcopt
         algorithms) or ``"greedy"`` (torch's whole-parameter partition; the
         default, and the only choice, for other optimizer classes).
@@ -120,8 +127,9 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
         bucket_size_mb: int = 25,
         **defaults: Any,
     ):
-        if overlap_with_ddp:
-            raise NotImplementedError("overlap_with_ddp=True lands with the optimizer-in-backward work")
+        if overlap_with_ddp and zero_stage != 1:
+            raise ValueError("overlap_with_ddp=True is ZeRO-1 with DDP's all-reduce; zero_stage=2 "
+                             "reduce-scatters its own gradients (use one or the other)")
         if zero_stage not in (1, 2):
             raise ValueError(f"zero_stage must be 1 or 2, got {zero_stage}")
         try:
@@ -147,6 +155,9 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
         self.partition = partition
         self.zero_stage = zero_stage
         self.bucket_size_mb = bucket_size_mb
+        self.overlap_with_ddp = overlap_with_ddp
+        self._overlap: Optional[ZeroOverlap] = None
+        self._overlap_ddp: Any = None
         self._optim_defaults = dict(defaults)
         # validates the hyperparameters with the class's own errors and fills its defaults
         if self.spec is not None:
@@ -231,6 +242,37 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
                 self._grads = None
             if self.zero_stage == 2:
                 self._grads = GradShards(params, self.layout, self.rank, self.process_group, self.bucket_size_mb)
+            if self._overlap_ddp is not None:
+                self._build_overlap()
+
+    # ------------------------------------------------------------- overlap
+    def _attach_overlap(self, ddp: Any) -> None:
+        """Called by ``overlap.hook_with_zero_step``: build the per-bucket step and sync."""
+        if self.spec is None:
+            raise ValueError(f"overlap_with_ddp steps element ranges inside backward, which only funcopt's "
+                             f"algorithms can; {self.algorithm()} cannot (use a funcopt class)")
+        if self._sync.shadowed:
+            raise ValueError("overlap_with_ddp: non-contiguous parameters (channels_last, transposed) are not "
+                             "supported; make them contiguous")
+        self._overlap_ddp = ddp
+        self._build_overlap()
+
+    def _build_overlap(self) -> None:
+        old = self._overlap
+        if old is not None:
+            old.wait_all()
+        params = self._params()
+
+        def before_step() -> None:
+            self._sync_groups(self.param_groups, self._state.optim.param_groups)
+
+        self._overlap = ZeroOverlap(self._segments, [self.layout.segments(r) for r in range(self.world_size)],
+                                    params, self._sync.homes, self._state.optim, self._state.local_shapes,
+                                    before_step, self.process_group, self.rank, self.world_size)
+        if old is not None:  # the hooks placed read the live one through `current`
+            self._overlap.hooked_modules, self._overlap.roots = old.hooked_modules, old.roots
+        ref = weakref.ref(self)
+        self._overlap.hook_forward(self._overlap_ddp.module, lambda: getattr(ref(), "_overlap", None))
 
     def _make_local(self, groups: List[Dict[str, Any]]) -> Any:
         if self._eager:
@@ -259,6 +301,14 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
         yourself): the gradient shards are unscaled and a step with inf/NaN
         gradients on any rank is skipped on every rank.
         """
+        if self.overlap_with_ddp:
+            if self._overlap is None:
+                raise RuntimeError("ZeroRedundancyOptimizer(overlap_with_ddp=True): register the DDP comm hook "
+                                   "ddp.register_comm_hook(None, hook_with_zero_step(allreduce_hook, ddp, zero)); "
+                                   "the step then runs inside backward")
+            # as torch's: the step already ran inside backward; step() only finishes the syncs
+            self._overlap.wait_all()
+            return closure() if closure is not None else None
         Join.notify_join_context(self)
         if grad_scaler is not None and self.zero_stage != 2:
             raise ValueError("grad_scaler= is for zero_stage=2; with zero_stage=1 GradScaler unscales p.grad itself")
@@ -331,6 +381,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As ``torch.optim.Optimizer.zero_grad``; ZeRO-2 also drops the gradient shards."""
+        if self._overlap is not None:
+            self._overlap.wait_all()  # nothing left pending (e.g. after a forward that raised)
         super().zero_grad(set_to_none)
         if self._grads is not None:
             self._grads.clear()
@@ -406,6 +458,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
 
     def consolidate_state_dict(self, to: int = 0) -> None:
         """Gather the full torch.optim-format state on rank ``to``, one shard at a time.  Collective."""
+        if self._overlap is not None:
+            self._overlap.wait_all()
         with record_function("funcopt::zero/consolidate"):
             mine = self._state.pieces()
             if self.rank == to:
