@@ -139,6 +139,11 @@ _SPECS = [
     AlgorithmSpec("Lion", "lion", base=dict(lr=0.01), grid=dict(
         betas=[(0.9, 0.99), (0.5, 0.8)], weight_decay=[0.0, 0.1], maximize=[False, True]),
         rich=dict(lr=0.01, betas=(0.5, 0.8), weight_decay=0.1)),
+    AlgorithmSpec("Muon", "muon", base=dict(lr=0.02), grid=dict(
+        weight_decay=[0.0, 0.1], momentum=[0.95, 0.5], nesterov=[True, False],
+        ns_coefficients=[(3.4445, -4.7750, 2.0315), (2.0, -1.5, 0.5)], eps=[1e-7, 0.1], ns_steps=[5, 2],
+        adjust_lr_fn=[None, "match_rms_adamw"]),
+        rich=dict(lr=0.02, weight_decay=0.1, momentum=0.9, ns_steps=3, adjust_lr_fn="match_rms_adamw")),
 ]
 
 REGISTRY: Dict[str, AlgorithmSpec] = {s.name: s for s in _SPECS}
