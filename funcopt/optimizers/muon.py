@@ -161,8 +161,8 @@ class Muon(Optimizer):
         >>> opt = funcopt.Muon([w], lr=0.1, weight_decay=0.0)
         >>> opt.step([torch.eye(2)])
         >>> w
-        tensor([[0.9299, 0.0000],
-                [0.0000, 0.9299]], requires_grad=True)
+        tensor([[0.8875, 0.0000],
+                [0.0000, 0.8875]], requires_grad=True)
     """
 
     torch_class = torch.optim.Muon
