@@ -91,7 +91,7 @@ BAD = [
     (["demo", "--zero", "1", "--world-size", "2", "--batch-size", "5"], "not divisible"),
     (["bench", "--only", "gpu"], "--only"),
     (["bench", "step", "--repeats", "0"], "--repeats must be at least 1"),
-    (["bench", "step", "--algos", "Lion"], "unknown algorithm"),
+    (["bench", "step", "--algos", "Shampoo"], "unknown algorithm"),
     (["bench", "step", "--sizes", "huge"], "--sizes"),
     (["bench", "zero", "--world-size", "0"], "--world-size must be at least 1"),
     (["bench", "zero", "--iters", "0"], "--iters must be at least 1"),

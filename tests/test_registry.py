@@ -33,4 +33,4 @@ def test_entry_is_consistent(name):
 
 def test_unknown_algorithm_lookup_names_known_ones():
     with pytest.raises(KeyError, match="Adam"):
-        registry.get("Lion")
+        registry.get("Shampoo")
