@@ -242,6 +242,11 @@ class AdafactorKernel:
         for i in idx:
             if params[i].is_complex():
                 raise RuntimeError("Adafactor does not support complex parameters")
+        for i in idx:
+            if params[i].numel() == 0:
+                raise ValueError(
+                    "funcopt: parameter " + str(i) + " has no elements: Adafactor divides by its RMS "
+                    "(torch.optim.Adafactor fails on it with ZeroDivisionError)")
 
     def dense(self, params: List[Tensor], grads: List[Tensor], state: List[List[Tensor]],
               h: Dict[str, float], fused: bool, first: bool, grad_scale: Optional[Tensor],
