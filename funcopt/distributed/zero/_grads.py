@@ -177,6 +177,15 @@ class GradShards:
             grad_scaler._per_optimizer_states[key]["found_inf_per_device"] = {scale.device: found.to(scale.device)}
             return bool(found.item())
 
+    def ready(self) -> Dict[str, Tensor]:
+        """Finish every pending reduce-scatter (chunks whose gradients never all
+        arrived count them as zero, as :meth:`grads` does) and return the shards,
+        ``{dtype space: this rank's flat shard}`` (padding is zero).  Collective."""
+        if self._round_active:
+            self._issue_ready(force=True)
+        self._bucketer.flush()
+        return self.shards
+
     def clear(self) -> None:
         """Drop the shards (``zero_grad``)."""
         self.shards = {}

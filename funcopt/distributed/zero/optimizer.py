@@ -25,7 +25,7 @@ from torch.profiler import record_function
 from ... import registry
 from ... import state_format
 from .. import _comm, _local
-from . import checkpoint
+from . import _clip, checkpoint
 from ._grads import GradShards
 from ._sync import ParamSync
 from .overlap import ZeroOverlap
@@ -139,8 +139,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
                 raise TypeError(f"optimizer_class must be a torch.optim.Optimizer subclass or a funcopt "
                                 f"algorithm, got {optimizer_class!r}") from None
             self.spec = None  # run eagerly, as torch's ZeroRedundancyOptimizer does
-        if partition is None:
-            partition = "flat" if self.spec is not None else "greedy"
+        if partition is None:  # algorithms that need whole parameters (Adafactor, Muon): greedy
+            partition = "flat" if self.spec is not None and not self.spec.whole_params else "greedy"
         if partition not in PARTITIONS:
             raise ValueError(f"partition must be one of {PARTITIONS}, got {partition!r}")
         if self.spec is None and partition != "greedy":
@@ -148,6 +148,10 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
                 f"partition={partition!r} cuts parameters into element ranges, which only funcopt's "
                 f"algorithms ({', '.join(registry.REGISTRY)}) can step; {optimizer_class.__qualname__} "
                 "runs eagerly over whole parameters: use partition='greedy'")
+        if self.spec is not None and self.spec.whole_params and partition != "greedy":
+            raise ValueError(
+                f"partition={partition!r} cuts parameters into element ranges, but {self.spec.name}'s update "
+                "needs each parameter whole: use partition='greedy' (its default)")
         self.optimizer_class = optimizer_class
         self.process_group = process_group
         self.rank, self.world_size = _comm.rank_and_size(process_group)
@@ -161,7 +165,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
         self._optim_defaults = dict(defaults)
         # validates the hyperparameters with the class's own errors and fills its defaults
         if self.spec is not None:
-            probe = self.spec.cls([torch.zeros(1, requires_grad=True)], **defaults)
+            probe = self.spec.cls([torch.zeros(self.spec.probe_shape, requires_grad=True)], **defaults)
             self._impl = probe.impl
         else:
             probe = optimizer_class([torch.zeros(1, requires_grad=True)], **defaults)
@@ -386,6 +390,21 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
         super().zero_grad(set_to_none)
         if self._grads is not None:
             self._grads.clear()
+
+    def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
+        """Clip the gradients by their global norm over every rank; returns the norm
+        before clipping (fairscale OSS's method).  Collective: call it on every rank
+        after backward, before :meth:`step`.
+
+        Each rank takes the norm of the gradient it owns (ZeRO-2: its shards) and
+        one all-reduce combines them; each rank then scales what it holds by
+        ``min(1, max_norm / (total + 1e-6))``.  Same result as
+        ``torch.nn.utils.clip_grad_norm_`` over the unsharded gradients (to
+        rounding).  ``norm_type``: ``p > 0`` or ``float('inf')``."""
+        if self._overlap is not None:
+            raise RuntimeError("clip_grad_norm with overlap_with_ddp=True: each bucket steps as its all-reduce "
+                               "returns, before the global norm is known")
+        return _clip.clip_grad_norm(self, max_norm, norm_type)
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state this rank holds."""
