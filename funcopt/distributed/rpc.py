@@ -423,7 +423,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._cls_name = getattr(optimizer_class, "__name__", repr(optimizer_class))
         defaults: Dict[str, Any] = {}
         if self.spec is not None:
-            probe = self.spec.cls([torch.zeros(1, requires_grad=True)], *args, **kwargs)  # torch's errors, here
+            probe = self.spec.cls([torch.zeros(self.spec.probe_shape, requires_grad=True)], *args, **kwargs)  # torch's errors, here
             defaults = dict(probe.defaults)
         rrefs = list(params_rref)
         if not rrefs:
@@ -509,7 +509,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         hyper = self._changed()
         seq: Optional[int] = None
         if hyper and self.spec is not None:
-            self.spec.cls([torch.zeros(1, requires_grad=True)], **dict(self.defaults, **{
+            self.spec.cls([torch.zeros(self.spec.probe_shape, requires_grad=True)], **dict(self.defaults, **{
                 k: v for k, v in self.param_groups[0].items() if k in self.defaults}))
         if hyper and self._refusable(hyper):
             seq = self._prepare(hyper)
