@@ -49,6 +49,11 @@ class Branchy(nn.Module):
         return out
 
 
+def trained(spec: Any, model: nn.Module) -> List[nn.Parameter]:
+    """The parameters an algorithm takes (matrix-only ones, e.g. Muon: the 2-D weights)."""
+    return [p for p in model.parameters() if p.requires_grad and p.dim() >= len(spec.probe_shape)]
+
+
 def data(step: int, rank: int, micro: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(10_000 + 100 * step + 10 * rank + micro)
     return torch.randn(4, WIDTH, generator=g)
@@ -83,10 +88,10 @@ def run_case(case: Dict[str, Any]) -> Dict[str, Any]:
     m_ref, m = base, copy.deepcopy(base)
     ddp_kw = dict(bucket_cap_mb=600 / 2 ** 20, find_unused_parameters=find_unused)
     d_ref, d = DDP(m_ref, **ddp_kw), DDP(m, **ddp_kw)
-    start = 0 if case["kind"] != "add-group" else 6  # l1, l2 first; the rest added later
+    start = 0 if case["kind"] != "add-group" else 2  # the first two trained tensors added later
 
     def opt_for(model: nn.Module) -> Any:
-        ps = [p for p in model.parameters() if p.requires_grad]
+        ps = trained(spec, model)
         return spec.cls(ps[start:] if start else ps, **kw)
 
     o_ref, o = opt_for(m_ref), opt_for(m)
@@ -104,7 +109,7 @@ def run_case(case: Dict[str, Any]) -> Dict[str, Any]:
         use_side = (rank + step) % 2 == 0 if find_unused else True
         if case["kind"] == "add-group" and step == 2:
             for model, opt in ((m_ref, o_ref), (m, o)):
-                ps = [p for p in model.parameters() if p.requires_grad]
+                ps = trained(spec, model)
                 opt.add_param_group({"params": ps[:start], "lr": 0.02})
         if case["kind"] == "checkpoint" and step == 3:
             o_ref.load_state_dict(copy.deepcopy(o_ref.state_dict()))
@@ -148,6 +153,7 @@ def run_case(case: Dict[str, Any]) -> Dict[str, Any]:
     out["buckets"] = hook.steps
     out["skipped"] = skipped
     out["moved"] = [n for (n, p), q in zip(m.named_parameters(), init) if not torch.equal(p, q)]
+    out["trained"] = [n for n, p in m.named_parameters() if any(p is q for q in trained(spec, m))]
     hook.remove()
     o.step()  # allowed again once removed
     return out

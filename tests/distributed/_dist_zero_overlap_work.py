@@ -27,7 +27,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from funcopt.distributed import ZeroRedundancyOptimizer, hook_with_zero_step, hook_with_zero_step_interleaved
 from funcopt.registry import REGISTRY
 from _dist_harness import run_cases
-from _dist_overlap_work import Branchy, data, first_mismatch
+from _dist_overlap_work import Branchy, data, first_mismatch, trained
 
 STEPS = 5
 
@@ -42,13 +42,10 @@ def run_case(case: Dict[str, Any]) -> Dict[str, Any]:
     ddp_kw = dict(bucket_cap_mb=600 / 2 ** 20, find_unused_parameters=find_unused,
                   gradient_as_bucket_view=case.get("view", False))
     d_ref, d, d_z = DDP(m_ref, **ddp_kw), DDP(m, **ddp_kw), DDP(m_z, **ddp_kw)
-    o_ref = spec.cls([p for p in m_ref.parameters() if p.requires_grad], **kw)
-    # an algorithm that needs each parameter whole gets whole-parameter placement
-    part = dict(partition="greedy") if spec.whole_params else {}
-    zero = ZeroRedundancyOptimizer([p for p in m.parameters() if p.requires_grad], spec.cls,
-                                   overlap_with_ddp=True, **part, **kw)
+    o_ref = spec.cls(trained(spec, m_ref), **kw)
+    zero = ZeroRedundancyOptimizer(trained(spec, m), spec.cls, overlap_with_ddp=True, **kw)
     # the non-overlapped path: the same partition, step() after backward
-    z_ref = ZeroRedundancyOptimizer([p for p in m_z.parameters() if p.requires_grad], spec.cls, **part, **kw)
+    z_ref = ZeroRedundancyOptimizer(trained(spec, m_z), spec.cls, **kw)
     make = hook_with_zero_step_interleaved if case.get("interleaved") else hook_with_zero_step
     d.register_comm_hook(None, make(allreduce_hook, d, zero))
     sched = [torch.optim.lr_scheduler.StepLR(x, step_size=2, gamma=0.5) for x in (o_ref, zero, z_ref)]
@@ -100,6 +97,7 @@ def run_case(case: Dict[str, Any]) -> Dict[str, Any]:
                     if not torch.equal(v, sd["state"][i][k]):
                         out["mismatch"] = f"state[{i}][{k}] differs"
     out["buckets"] = zero._overlap.buckets_stepped
+    out["trained"] = [n for n, p in m.named_parameters() if any(p is q for q in trained(spec, m))]
     return out
 
 
