@@ -151,6 +151,13 @@ DIMS = {
 }
 
 
+class UserRMSprop(torch.optim.RMSprop):
+    """A user's own torch.optim subclass: no registry entry matches it, so the
+    distributed layers run it eagerly (as torch does); same numbers as
+    torch.optim.RMSprop.  (Every torch.optim update rule is in funcopt's
+    registry, so the eager path is tested with a subclass.)"""
+
+
 class Net(nn.Module):
     """Three tanh layers; ``mixed`` makes the middle one float64; ``extra`` adds a
     residual layer (the one added to the optimizer later); ``empty`` a

@@ -24,7 +24,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from funcopt.distributed import DistributedError, ZeroRedundancyOptimizer
 
-from _dist_harness import Net, batch, local_slice, run_cases, snapshot
+from _dist_harness import Net, UserRMSprop, batch, local_slice, run_cases, snapshot
 
 STEPS = 5
 
@@ -74,7 +74,7 @@ STRIDED = [
     dict(name="strided-adagrad-greedy-view", algo="Adagrad", hyper=dict(lr=0.1), partition="greedy", view=True,
          stage=1),
     dict(name="strided-adam-z2", algo="Adam", hyper=dict(lr=0.05), partition="flat", view=False, stage=2),
-    dict(name="strided-rmsprop-eager", algo="RMSprop", hyper=dict(lr=0.01, momentum=0.5), partition=None,
+    dict(name="strided-rmsprop-eager", algo="UserRMSprop", hyper=dict(lr=0.01, momentum=0.5), partition=None,
          view=False, stage=1),
     dict(name="strided-big-sgd-flat", algo="SGD", hyper=dict(lr=0.1), partition="flat", view=False, stage=1,
          big=True),
@@ -82,7 +82,7 @@ STRIDED = [
 
 
 def _torch_cls(algo: str) -> type:
-    return getattr(torch.optim, algo)
+    return UserRMSprop if algo == "UserRMSprop" else getattr(torch.optim, algo)
 
 
 def train_strided(case: Dict[str, Any], model: StridedNet, opt: Any) -> Dict[str, Any]:
@@ -187,7 +187,7 @@ def run_hyper(case: Dict[str, Any], rank: int, world: int) -> Dict[str, Any]:
     groups = [dict(params=ps[:2]), dict(params=ps[2:], weight_decay=0.1 if rank == world - 1 else 0.0)]
     out["group-weight_decay"] = _catch(lambda: ZeroRedundancyOptimizer(groups, torch.optim.SGD, lr=0.1))
     out["eager-momentum"] = _catch(lambda: ZeroRedundancyOptimizer(
-        ps, torch.optim.RMSprop, lr=0.01, momentum=0.1 * rank))
+        ps, UserRMSprop, lr=0.01, momentum=0.1 * rank))
     # the same values given differently (key order, list vs tuple) are the same
     kw = dict(lr=0.01, betas=(0.9, 0.99)) if rank == 0 else dict(betas=[0.9, 0.99], lr=0.01)
     out["same-values"] = _catch(lambda: ZeroRedundancyOptimizer(ps, torch.optim.Adam, **kw))
@@ -218,14 +218,14 @@ class SGDWithKwarg(torch.optim.SGD):
 
 
 EAGER = [
-    dict(name="eager-rmsprop", cls="RMSprop", hyper=dict(lr=0.01, momentum=0.9, centered=True), stage=1),
+    dict(name="eager-rmsprop", cls="UserRMSprop", hyper=dict(lr=0.01, momentum=0.9, centered=True), stage=1),
     dict(name="eager-custom-sgd", cls="SGDWithKwarg", hyper=dict(lr=0.05, momentum=0.9), stage=1),
-    dict(name="eager-rmsprop-z2", cls="RMSprop", hyper=dict(lr=0.01), stage=2),
+    dict(name="eager-rmsprop-z2", cls="UserRMSprop", hyper=dict(lr=0.01), stage=2),
 ]
 
 
 def eager_cls(case: Dict[str, Any]) -> type:
-    return SGDWithKwarg if case["cls"] == "SGDWithKwarg" else getattr(torch.optim, case["cls"])
+    return SGDWithKwarg if case["cls"] == "SGDWithKwarg" else _torch_cls(case["cls"])
 
 
 def train_eager(model: Net, opt: Any, steps: range, kwargs: Dict[str, Any]) -> None:

@@ -8,6 +8,7 @@ where the gradient is averaged).
 from __future__ import annotations
 
 import copy
+import inspect
 import time
 from typing import Any, Callable, Dict, List, Optional
 
@@ -22,14 +23,12 @@ from _dist_harness import (Net, allreduce_mean_grads, batch, local_slice, run_ca
 
 STEPS, CONT = 10, 3  # steps before consolidating, then steps continued from there
 
-# non-default hyperparameters per algorithm (every spec's base lr included)
-HYPER = {
-    "SGD": [dict(lr=0.05, momentum=0.9, weight_decay=0.01), dict(lr=0.05, momentum=0.9, nesterov=True, dampening=0.0)],
-    "Adam": [dict(lr=0.01, weight_decay=0.1), dict(lr=0.01, amsgrad=True, betas=(0.5, 0.9))],
-    "AdamW": [dict(lr=0.01, weight_decay=0.1), dict(lr=0.01, amsgrad=True)],
-    "Adagrad": [dict(lr=0.05, lr_decay=0.01), dict(lr=0.05, initial_accumulator_value=0.1, weight_decay=0.1)],
-}
-assert set(HYPER) == set(REGISTRY), "a new algorithm in the registry needs hyperparameters here"
+# non-default hyperparameters per algorithm: the registry's configurations
+# (rich, and rich with maximize where torch has it)
+HYPER = {name: spec.configs() for name, spec in REGISTRY.items()}
+# the matrix runs the Net below (matrices and bias vectors): algorithms for
+# matrices only (Muon) have their own cases
+MATRIX_ALGOS = [name for name, spec in REGISTRY.items() if len(spec.probe_shape) < 2]
 
 
 def _case(name: str, algo: str, **kw: Any) -> Dict[str, Any]:
@@ -43,11 +42,14 @@ def _case(name: str, algo: str, **kw: Any) -> Dict[str, Any]:
 def matrix_cases() -> List[Dict[str, Any]]:
     """Every registry algorithm x {flat, greedy} x bucket view on/off (torch and funcopt classes alternate)."""
     out = []
-    for algo in REGISTRY:
+    for algo in MATRIX_ALGOS:
+        whole = REGISTRY[algo].whole_params  # never cut: greedy placement only
         for j, (partition, view) in enumerate([("flat", False), ("greedy", False), ("flat", True), ("greedy", True)]):
+            if whole and partition == "flat":
+                continue
             out.append(_case(f"{algo}-{partition}{'-view' if view else ''}", algo, partition=partition,
                              bucket_view=view, cls="torch" if j in (0, 3) else "funcopt",
-                             hyper=HYPER[algo][j % 2], groups=(j == 3)))
+                             hyper=HYPER[algo][j % len(HYPER[algo])], groups=(j == 3)))
     return out
 
 
@@ -209,7 +211,14 @@ def reference(case: Dict[str, Any], world: int = 1) -> Dict[str, Any]:
     gradients of the full batch, or (``world`` > 1) as ``world`` DDP ranks average them."""
     model = make_model(case)
     # world > 1: the kernel the ranks run too (funcopt's default: torch's fused kernel on the CPU)
-    kernel = dict(fused=True) if world > 1 else {}
+    spec = REGISTRY[case["algo"]]
+    kernel: Dict[str, Any] = {}
+    if world > 1:  # fused where torch has it, else the foreach formula funcopt runs
+        accepted = inspect.signature(spec.torch_cls.__init__).parameters
+        if "cpu" in spec.fused_devices:
+            kernel = dict(fused=True)
+        elif "foreach" in accepted:
+            kernel = dict(foreach=True)
     opt = torch_class(case)(optimizer_params(case, model), **case["hyper"], **kernel)
     sched = torch.optim.lr_scheduler.StepLR(opt, *case["steplr"]) if case["steplr"] else None
     def sd() -> Dict[str, Any]:  # as the user built it: the kernel switch is not part of the comparison

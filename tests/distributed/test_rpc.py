@@ -52,7 +52,7 @@ from funcopt.distributed import DistributedOptimizer  # noqa: E402
 from funcopt.distributed.launch import init_method as launch_init_method  # noqa: E402
 from funcopt.distributed.launch import launch  # noqa: E402
 
-from _dist_harness import case_result  # noqa: E402
+from _dist_harness import UserRMSprop, case_result  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 RPC_TIMEOUT = 20.0       # the agent's default timeout (every RPC not given its own)
@@ -544,14 +544,14 @@ def _grads(rrefs: List[rpc.RRef]) -> List[Optional[torch.Tensor]]:
     return [r.local_value().grad for r in rrefs]
 
 
-EAGER_KW = dict(lr=0.01, momentum=0.5)  # torch.optim.RMSprop: not in funcopt's registry
+EAGER_KW = dict(lr=0.01, momentum=0.5)  # UserRMSprop: a torch.optim subclass no registry entry matches
 
 
 def _case_eager_rmsprop() -> Dict[str, Any]:
-    """torch.optim.RMSprop (no scripted funcopt version): eager on the owners, with
+    """A user's torch.optim.RMSprop subclass (no scripted funcopt version): eager on the owners, with
     the trainer's hyperparameter changes and a StepLR, then state_dicts."""
     rrefs = _place(_init_params())
-    opt = DistributedOptimizer(torch.optim.RMSprop, _flat(rrefs), **EAGER_KW)
+    opt = DistributedOptimizer(UserRMSprop, _flat(rrefs), **EAGER_KW)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
     losses = _train(opt, rrefs, 0, STEPS, sched=sched, hyper=True)
     return dict(params=_fetch_all(rrefs), losses=losses, state=opt.state_dicts(),
@@ -693,7 +693,7 @@ STRIDED_CASES = {  # name: (class, kwargs)
     "Adam": (torch.optim.Adam, dict(lr=0.05, weight_decay=0.1)),
     "SGD-momentum": (torch.optim.SGD, dict(lr=0.05, momentum=0.9)),
     "Adagrad": (torch.optim.Adagrad, dict(lr=0.05)),
-    "RMSprop-eager": (torch.optim.RMSprop, dict(lr=0.01)),
+    "RMSprop-eager": (UserRMSprop, dict(lr=0.01)),
 }
 STRIDED_STEPS = 3
 
@@ -1209,7 +1209,7 @@ def test_jobs_exit_cleanly(job):
 
 # ------------------------------------------- drop-in (issue 9): results of the ps2 job
 def test_torch_optim_class_without_scripted_version_runs_eagerly(job):
-    """torch.optim.RMSprop (not in funcopt's registry) through the RPC optimizer,
+    """A torch.optim.RMSprop subclass (no registry entry matches) through the RPC optimizer,
     with hyperparameter changes and a StepLR == local torch.optim.RMSprop, bitwise
     (the same eager class runs on the owners); state_dicts in its own format."""
     got = _case(job("ps2"), "eager:RMSprop")

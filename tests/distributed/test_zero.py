@@ -103,10 +103,14 @@ def test_matches_torch(run, world, case):
     to = case["to"] % world
     at_to = _get(run, world, case["name"], rank=to)
     rank0 = _get(run, world, case["name"], rank=0)
+    # state: atol 1e-6 (near-zero elements of momentum-like buffers differ by
+    # rounding where gradients are averaged in another order, e.g. centered RMSprop at W=4)
     assert_tensors_close(rank0["p10"], ref["p10"], f"W={world} params after {W.STEPS} steps")
-    assert_state_dict_close(at_to["sd10"], ref["sd10"], f"W={world} consolidated state (to={to}) after {W.STEPS} steps")
+    assert_state_dict_close(at_to["sd10"], ref["sd10"], f"W={world} consolidated state (to={to}) after {W.STEPS} steps",
+                            atol=1e-6)
     assert_tensors_close(rank0["p13"], ref["p13"], f"W={world} params after {W.STEPS + W.CONT} steps")
-    assert_state_dict_close(rank0["sd13"], ref["sd13"], f"W={world} consolidated state after {W.STEPS + W.CONT} steps")
+    assert_state_dict_close(rank0["sd13"], ref["sd13"], f"W={world} consolidated state after {W.STEPS + W.CONT} steps",
+                            atol=1e-6)
 
 
 @pytest.mark.parametrize("case", TRAIN, ids=_ids(TRAIN))
