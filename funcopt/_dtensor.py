@@ -132,10 +132,20 @@ def to_shard(v: Tensor, p: Tensor) -> Tensor:
     return v
 
 
-def view_for(params: Sequence[Tensor], elementwise: bool) -> Optional[LocalView]:
-    """A :class:`LocalView` when ``params`` hold DTensors and the rule is
-    elementwise; ``None`` otherwise (plain tensors, or a rule that needs whole
-    parameters: stepped through DTensor dispatch as torch.optim does)."""
-    if not elementwise or DTensor is None or not any(is_dtensor(p) for p in params):
+def view_for(params: Sequence[Tensor], owner: str, whole_params: bool, differentiable: bool) -> Optional[LocalView]:
+    """A :class:`LocalView` when ``params`` hold DTensors; ``None`` for plain tensors, or
+    for ``differentiable=True`` groups (stepped through DTensor dispatch, as torch.optim
+    does).  A rule that needs each parameter whole (``whole_params``: Adafactor's
+    row/column statistics, Muon's orthogonalization) is refused on DTensor parameters,
+    before anything changes: a shard is not the whole parameter, and the global
+    reductions it would need are not implemented yet."""
+    if DTensor is None or not any(is_dtensor(p) for p in params):
+        return None
+    if whole_params:
+        raise NotImplementedError(
+            f"{owner}: DTensor parameters (FSDP2 fully_shard, tensor parallel) are not supported: {owner}'s "
+            "update needs each parameter whole and each rank holds a shard; use an elementwise rule "
+            "(Adam, AdamW, SGD, ...) or step the full parameters")
+    if differentiable:
         return None
     return LocalView(params)

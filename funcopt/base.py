@@ -387,8 +387,8 @@ class Optimizer(torch.optim.Optimizer):
         ``carry`` maps ``id(param)`` to state (slot order) that carries over."""
         params = self._flat_params()
         # DTensor parameters (FSDP2, tensor parallel): an elementwise rule steps their local shards
-        self._dt = _dtensor.view_for(params, not self.whole_params and not any(
-            g.get("differentiable") for g in self.param_groups))
+        self._dt = _dtensor.view_for(params, type(self).__name__, self.whole_params,
+                                     any(g.get("differentiable") for g in self.param_groups))
         self._dt_cache = {}
         dup = state_format.find_duplicate(params)
         # torch only warns about a repeated parameter (and steps it twice); a
