@@ -5,6 +5,7 @@ import argparse
 import contextlib
 import gc
 import importlib
+import inspect
 import math
 import os
 import statistics
@@ -20,16 +21,35 @@ from funcopt.script import quiet_jit
 Step = Callable[[], Any]
 
 # --------------------------------------------------------------------------- cases
-ALGOS: Dict[str, Dict[str, Any]] = {
+# hand-picked settings for the algorithms with an ATen fused kernel; every
+# other registry algorithm is benchmarked with its registry ``base`` settings
+_KNOWN: Dict[str, Dict[str, Any]] = {
     # name: hyperparameters (torch.optim kwargs), bytes a step must move per fp32 param
-    "Adam": dict(kw=dict(lr=1e-3), bytes=28, functional=("functional_adam", "_FunctionalAdam")),
-    "AdamW": dict(kw=dict(lr=1e-3, weight_decay=1e-2), bytes=28,
-                  functional=("functional_adamw", "_FunctionalAdamW")),
+    "Adam": dict(kw=dict(lr=1e-3), bytes=28),
+    "AdamW": dict(kw=dict(lr=1e-3, weight_decay=1e-2), bytes=28),
     # read p, g, buf; write p, buf
-    "SGD": dict(kw=dict(lr=1e-2, momentum=0.9), bytes=20, functional=("functional_sgd", "_FunctionalSGD")),
+    "SGD": dict(kw=dict(lr=1e-2, momentum=0.9), bytes=20),
     # read p, g, sum; write p, sum
-    "Adagrad": dict(kw=dict(lr=1e-2), bytes=20, functional=("functional_adagrad", "_FunctionalAdagrad")),
+    "Adagrad": dict(kw=dict(lr=1e-2), bytes=20),
 }
+
+
+def algo_info(algo: str) -> Dict[str, Any]:
+    """``kw`` (hyperparameters), ``bytes`` (memory traffic per fp32 parameter:
+    read p and g, read and write p and each per-element state tensor) and
+    ``functional`` (torch's scripted functional twin, if torch has one)."""
+    from funcopt.registry import REGISTRY
+
+    spec = REGISTRY[algo]
+    info = dict(_KNOWN.get(algo, {}))
+    if "kw" not in info:
+        info["kw"] = dict(spec.base)
+        on = [name for name, cond in spec.cls.slots if name != "step" and (cond is None or info["kw"].get(cond))]
+        info["bytes"] = 4 * (2 + 2 * len(on)) + 4  # p, g read; each slot read + written; p written
+    info["functional"] = (f"functional_{algo.lower()}", f"_Functional{algo}")
+    return info
+
+
 DEFAULT_SIZES = "1M,16M,64M,tiny"
 TINY_COUNT, TINY_NUMEL = 2000, 1024
 # peers left out at or above this many parameters unless --all-peers (time, not memory)
@@ -80,7 +100,9 @@ def funcopt_peer(algo: str, impl: str, scripted: bool) -> Callable[..., Tuple[Op
         cls = getattr(funcopt, algo, None)
         if cls is None:
             return None, f"funcopt.{algo} does not exist (yet) in this checkout"
-        opt = cls(params, impl=impl, **ALGOS[algo]["kw"])
+        if impl == "fused" and "cpu" not in cls.fused_devices:
+            return None, f"torch has no fused CPU kernel for {algo}"
+        opt = cls(params, impl=impl, **algo_info(algo)["kw"])
         if scripted:
             opt = funcopt.script(opt)
         return (lambda: opt.step(grads)), ""
@@ -95,7 +117,13 @@ def torch_peer(algo: str, mode: str) -> Callable[..., Tuple[Optional[Step], str]
             p.grad = g  # shared, read-only for these hyperparameters (checked after timing)
         flags = dict(foreach=False, fused=False) if mode == "loop" else {mode: True}
         try:
-            opt = getattr(torch.optim, algo)(leaves, **ALGOS[algo]["kw"], **flags)
+            from funcopt.registry import REGISTRY
+
+            accepted = inspect.signature(REGISTRY[algo].torch_cls.__init__).parameters
+            if any(v and k not in accepted for k, v in flags.items()):
+                return None, f"torch.optim.{algo} has no {mode} implementation"
+            flags = {k: v for k, v in flags.items() if k in accepted}
+            opt = REGISTRY[algo].torch_cls(leaves, **algo_info(algo)["kw"], **flags)
         except (RuntimeError, ValueError, TypeError) as e:
             return None, f"torch.optim.{algo}({mode}=True) refused: {e}"
         return opt.step, ""
@@ -122,11 +150,11 @@ def quiet_functional_deprecation() -> Any:
 
 def functional_peer(algo: str) -> Callable[..., Tuple[Optional[Step], str]]:
     def build(params: List[torch.Tensor], grads: List[torch.Tensor]) -> Tuple[Optional[Step], str]:
-        mod, name = ALGOS[algo]["functional"]
+        mod, name = algo_info(algo)["functional"]
         try:
             with quiet_functional_deprecation(), quiet_jit():  # torch's notices, where we script
                 cls = getattr(importlib.import_module("torch.distributed.optim." + mod), name)
-                f = torch.jit.script(cls(params, **ALGOS[algo]["kw"]))
+                f = torch.jit.script(cls(params, **algo_info(algo)["kw"]))
         except Exception as e:  # not built with distributed, or not scriptable here
             return None, f"torch.distributed.optim.{mod}.{name} unavailable: {type(e).__name__}: {e}"
         glist: List[Optional[torch.Tensor]] = list(grads)
@@ -139,7 +167,7 @@ def aten_peer(algo: str) -> Callable[..., Tuple[Optional[Step], str]]:
     """The ATen fused kernel called directly from Python on prebuilt lists."""
 
     def build(params: List[torch.Tensor], grads: List[torch.Tensor]) -> Tuple[Optional[Step], str]:
-        kw = ALGOS[algo]["kw"]
+        kw = algo_info(algo)["kw"]
         z = lambda: [torch.zeros_like(p) for p in params]  # noqa: E731
         steps = [torch.zeros(()) for _ in params]
         one = torch.ones(())  # the one-tensor overload, as funcopt and torch.optim bump CPU step counters
@@ -272,7 +300,7 @@ def run_case(algo: str, size: str, args: argparse.Namespace, bw: float) -> Dict[
     med = {n: statistics.median(t) for n, t in zip(names, times)}
     spread = {n: (min(t), max(t)) for n, t in zip(names, times)}
     res = dict(algo=algo, size=size, numel=numel, tensors=len(shapes), repeats=repeats, warmup=args.warmup,
-               bytes_per_param=ALGOS[algo]["bytes"], median_s=med, min_max_s=spread, notes=notes,
+               bytes_per_param=algo_info(algo)["bytes"], median_s=med, min_max_s=spread, notes=notes,
                times_s={n: t for n, t in zip(names, times)},
                wall_s=wall, cpu_per_wall=cpu_per_wall, loadavg=os.getloadavg())
     print_case(res, bw)

@@ -53,7 +53,10 @@ from typing import Any, Dict, List, Optional
 from ._report import print_summary, ratio_row
 
 DEFAULT_SIZES = "1M,16M,64M,tiny"
-ALGO_NAMES = ("Adam", "AdamW", "SGD", "Adagrad")
+def _algo_names() -> List[str]:
+    from funcopt.registry import REGISTRY
+
+    return list(REGISTRY)
 # what `funcopt bench --quick` runs of this layer
 QUICK = ("--quick", "--algos", "Adam", "--sizes", "1M,tiny", "--warmup", "2", "--gil-tensors", "500",
          "--peers", "script fused,torch.optim fused,functional script")
@@ -61,7 +64,7 @@ QUICK = ("--quick", "--algos", "Adam", "--sizes", "1M,tiny", "--warmup", "2", "-
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     """The options of ``funcopt bench step`` / ``benchmarks/step.py``."""
-    ap.add_argument("--algos", default="Adam,AdamW,SGD,Adagrad", help="comma list (default: %(default)s)")
+    ap.add_argument("--algos", default="all", help="comma list of registry names, or 'all' (default: %(default)s)")
     ap.add_argument("--sizes", default=DEFAULT_SIZES,
                     help="comma list of parameter counts (1M, 16M, 64M, ...) and/or 'tiny' "
                          "(2000 tensors of 1024) (default: %(default)s)")
@@ -117,12 +120,13 @@ def check(args: argparse.Namespace) -> Optional[str]:
     for name in ("gil_steps", "gil_rounds", "gil_tensors"):
         if getattr(args, name) < 1:
             return f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}"
-    args.algos = [a.strip() for a in args.algos.split(",") if a.strip()]
+    args.algos = _algo_names() if args.algos.strip() == "all" else [
+        a.strip() for a in args.algos.split(",") if a.strip()]
     args.sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
     args.peers = [p.strip() for p in args.peers.split(",") if p.strip()]
     for a in args.algos:
-        if a not in ALGO_NAMES:
-            return f"--algos: unknown algorithm {a!r}; choose from {', '.join(ALGO_NAMES)}"
+        if a not in _algo_names():
+            return f"--algos: unknown algorithm {a!r}; choose from {', '.join(_algo_names())}"
     if not args.algos or not args.sizes:
         return "--algos and --sizes need at least one entry"
     for s in args.sizes:
@@ -153,6 +157,22 @@ def summary_rows(results: Dict[str, Any]) -> List[Dict[str, Any]]:
             target = 4.0 if c["size"] == "16M" else None
             rows.append(ratio_row("step", f"{name}: torch functional script / script fused",
                                   [a / b for a, b in zip(fs, sf)], target, "higher"))
+        # issue 11's targets, for every algorithm: funcopt's scripted step (fused
+        # where torch has the kernel) against torch.optim's fastest implementation
+        # of the same algorithm, and against torch's scripted functional twin
+        ours_name = "funcopt script fused" if "funcopt script fused" in t else "funcopt script foreach"
+        ours = t.get(ours_name)
+        med = c.get("median_s", {})
+        theirs = [k for k in ("torch.optim fused", "torch.optim foreach", "torch.optim for-loop") if k in t]
+        if ours and theirs:
+            best = min(theirs, key=lambda k: med.get(k, float("inf")))
+            target = 1.0 if c["size"] == "16M" else 0.7 if c["size"] == "tiny" else None
+            rows.append(ratio_row("step", f"{name}: {ours_name} / {best} (fastest torch.optim)",
+                                  [a / b for a, b in zip(ours, t[best])], target, "lower"))
+        if ours and fs and ours_name != "funcopt script fused":
+            rows.append(ratio_row("step", f"{name}: torch functional script / {ours_name}",
+                                  [a / b for a, b in zip(fs, ours)], 2.5 if c["size"] == "16M" else None,
+                                  "higher"))
     for r in results.get("gil", []):
         if r["kind"] == "funcopt script fused":
             rows.append(ratio_row("step", f"GIL: 2 threads / 1, scripted fused Adam, set_num_threads("
