@@ -80,7 +80,22 @@ def on_files(files: Files, config: Any) -> Files:
     return files
 
 
+_REGISTRY_MARK = "<!-- funcopt:registry-classes -->"
+
+
+def _registry_directives() -> str:
+    """One ``::: funcopt.optimizers.<module>.<Class>`` per registry entry, in
+    registry order: the API page lists every algorithm without a docs edit
+    per algorithm (the classes are exported by the registry at run time,
+    which griffe's static view of ``funcopt`` does not see)."""
+    import funcopt.registry as registry
+
+    return "\n\n".join(f"::: {spec.cls.__module__}.{spec.cls.__name__}" for spec in registry.REGISTRY.values())
+
+
 def on_page_markdown(markdown: str, page: Any, config: Any, files: Files) -> str:
+    if _REGISTRY_MARK in markdown:
+        markdown = markdown.replace(_REGISTRY_MARK, _registry_directives())
     links = _outside.get(page.file.src_uri)
     if not links:
         return markdown
@@ -126,7 +141,10 @@ def on_pre_build(config: Any) -> None:
         for n in sorted(names):
             if n.endswith(".md"):
                 with open(os.path.join(dirpath, n), encoding="utf-8") as fh:
-                    idents += _DIRECTIVE.findall(fh.read())
+                    text = fh.read()
+                if _REGISTRY_MARK in text:
+                    text = text.replace(_REGISTRY_MARK, _registry_directives())
+                idents += _DIRECTIVE.findall(text)
     packages: Dict[str, Any] = {}
     seen: Set[str] = set()
     for ident in idents:

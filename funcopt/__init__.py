@@ -15,5 +15,6 @@ from .script import script
 # every registered algorithm, by its torch.optim name (funcopt.SGD, funcopt.Adam, ...)
 globals().update({name: spec.cls for name, spec in REGISTRY.items()})
 
-__all__ = ["Optimizer", *REGISTRY, "REGISTRY", "StepInBackward", "clip_grad_norm_", "registry", "script", "step_in_backward"]
+__all__ = ["Optimizer", "REGISTRY", "StepInBackward", "clip_grad_norm_", "registry", "script", "step_in_backward"]
+__all__.extend(REGISTRY)  # the algorithms
 __version__ = "0.1.0"
