@@ -153,7 +153,7 @@ def run_case(case: Dict[str, Any]) -> Dict[str, Any]:
     out["buckets"] = hook.steps
     out["skipped"] = skipped
     out["moved"] = [n for (n, p), q in zip(m.named_parameters(), init) if not torch.equal(p, q)]
-    out["trained"] = [n for n, p in m.named_parameters() if any(p is q for q in trained(spec, m))]
+    out["trained"] = [n for n, p in m.named_parameters() if n != "never" and any(p is q for q in trained(spec, m))]
     hook.remove()
     o.step()  # allowed again once removed
     return out

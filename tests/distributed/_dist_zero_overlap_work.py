@@ -97,7 +97,7 @@ def run_case(case: Dict[str, Any]) -> Dict[str, Any]:
                     if not torch.equal(v, sd["state"][i][k]):
                         out["mismatch"] = f"state[{i}][{k}] differs"
     out["buckets"] = zero._overlap.buckets_stepped
-    out["trained"] = [n for n, p in m.named_parameters() if any(p is q for q in trained(spec, m))]
+    out["trained"] = [n for n, p in m.named_parameters() if n != "never" and any(p is q for q in trained(spec, m))]
     return out
 
 

@@ -230,15 +230,15 @@ def _make(hook: Callable, ddp: Any, zero: Any, interleaved: bool) -> Callable:
             ov.wait_all()  # a previous backward's leftovers (e.g. a forward that raised)
             ov.before_step()
         fut = hook(state, bucket)
-        try:
-            params = [ov.index[id(p)] for p in bucket.parameters()]
-        except KeyError:
-            raise ValueError("hook_with_zero_step: a parameter of the DDP model is not in the "
-                             "ZeroRedundancyOptimizer; build it over ddp.parameters()") from None
-        grads = list(bucket.gradients())
+        # parameters of the model the optimizer does not hold (as with DDP + an
+        # optimizer over some of them) are all-reduced and left alone
+        held = [(ov.index[id(p)], p, g) for p, g in zip(bucket.parameters(), bucket.gradients()) if id(p) in ov.index]
+        params = [i for i, _, _ in held]
+        grads = [g for _, _, g in held]
         futs = [fut]
         if find_unused:
-            futs.append(dist.all_reduce(_used_flags(bucket.parameters()), group=group, async_op=True).get_future())
+            futs.append(dist.all_reduce(_used_flags([p for _, p, _ in held]), group=group,
+                                        async_op=True).get_future())
 
         def step(f: torch.futures.Future) -> Tensor:
             results = f.value()
