@@ -716,7 +716,28 @@ def test_parity_with_torch_for_loop_float64(name, impl, mode, make_params, make_
             assert_params_equal(params, tparams, **PARITY_TOL)
             assert_state_equal(fo.state_dict()["state"], to.state_dict()["state"], **PARITY_TOL)
         except AssertionError as e:
-            raise AssertionError(f"{name} {kw}: {e}") from None
+            # where torch's own foreach and for-loop versions differ (ASGD in
+            # float64), funcopt follows foreach: it must equal torch's foreach
+            # run, and that run must differ from the for-loop like ours does
+            if not torch_accepts(spec, "foreach") or _matches_torch_foreach(spec, kw, fo, params, make_params,
+                                                                            make_grads, clone_params, tparams):
+                raise AssertionError(f"{name} {kw}: {e}") from None
+
+
+def _matches_torch_foreach(spec, kw, fo, params, make_params, make_grads, clone_params, loop_params) -> bool:
+    """False when funcopt equals torch's foreach version and torch's foreach
+    version itself differs from its for-loop version (a documented torch
+    difference); True (the failure stands) otherwise."""
+    fparams = clone_params(make_params(dtype=torch.float64))
+    ref = spec.torch_cls(fparams, **kw, foreach=True)
+    for t in range(20):
+        torch_step(ref, make_grads(fparams, t))
+    try:
+        assert_params_equal(params, fparams, **PARITY_TOL)
+        assert_state_equal(fo.state_dict()["state"], ref.state_dict()["state"], **PARITY_TOL)
+    except AssertionError:
+        return True
+    return all(torch.equal(a, b) for a, b in zip(fparams, loop_params))
 
 
 # ------------------------------------------------------------- step counters

@@ -37,7 +37,7 @@ import torch
 from torch import Tensor
 
 import funcopt
-from funcopt.optimizers.adam import AdamCore
+from funcopt.optimizers._core import Core
 from funcopt.script import quiet_jit
 
 N_TENSORS, SIZE = 200, 1024
@@ -91,7 +91,7 @@ def test_two_threads_equal_sequential(impl):
                 assert torch.equal(s_state[i][k], p_state[i][k])
 
 
-def _step_loop(opt: AdamCore, grads: List[Optional[Tensor]], n: int) -> None:
+def _step_loop(opt: Core, grads: List[Optional[Tensor]], n: int) -> None:
     for _ in range(n):
         opt.step(grads, None, None)
 
