@@ -42,7 +42,11 @@ def is_dtensor(t: Any) -> bool:
 
 
 def local(t: Tensor) -> Tensor:
-    """The local tensor of a DTensor (the very object, not an autograd view)."""
+    """The local tensor of a DTensor: the very object the DTensor holds (``to_local()``
+    without grad, which for a ``Parameter(DTensor)`` wraps it in a new Parameter)."""
+    inner = getattr(t, "_local_tensor", None)
+    if isinstance(inner, Tensor) and not is_dtensor(inner):
+        return inner
     with torch.no_grad():
         return t.to_local()
 
@@ -80,7 +84,7 @@ class LocalView:
             if g is None or not is_dtensor(g):
                 continue
             p = params[i]
-            if g.placements != p.placements or g.device_mesh != p.device_mesh:
+            if g.placements != p.placements or (g.device_mesh is not p.device_mesh and g.device_mesh != p.device_mesh):
                 with torch.no_grad():
                     g = g.redistribute(p.device_mesh, p.placements)
             out[i] = local(g)
