@@ -95,7 +95,13 @@ def muon(
         update = grad.lerp(buf, momentum) if nesterov else buf
         update = newton_schulz(update, a, b, c, ns_steps, eps)
         lr_i = adjusted_lr(lr, adjust_lr_fn, param.size(0), param.size(1))
-        param.mul_(1 - lr * weight_decay)
+        decay = 1 - lr * weight_decay
+        if param.dtype == torch.bfloat16 or param.dtype == torch.float16:
+            # TorchScript's mul_(float) rounds the factor to the tensor's dtype first;
+            # eager (torch.optim) multiplies in float: a 0-d float64 tensor does that in both
+            param.mul_(torch.tensor(decay, dtype=torch.float64))
+        else:
+            param.mul_(decay)
         param.add_(update, alpha=-lr_i)
 
 
