@@ -75,6 +75,9 @@ def _build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--zero", type=int, choices=(1, 2, 3), default=None,
                       help="train sharded: 1 = optimizer state (under DDP), 2 = state and gradients, "
                            "3 = parameters too (Zero3Sequential)")
+    demo.add_argument("--overlap", action="store_true",
+                      help="with --zero 1: also train with overlap_with_ddp=True (the step inside backward, "
+                           "hook_with_zero_step) next to the plain run; they must be bitwise equal")
     demo.add_argument("--world-size", type=int, default=None,
                       help="with --zero: local gloo processes to spawn (default: 2); under torchrun, torchrun's")
     demo.add_argument("--rpc", action="store_true",
@@ -131,6 +134,8 @@ def demo_problem(args: argparse.Namespace) -> Optional[str]:
         return "--world-size is for --zero; --rpc takes --trainers" if args.rpc else "--world-size needs --zero"
     if args.trainers is not None and not args.rpc:
         return "--trainers is for --rpc"
+    if getattr(args, "overlap", False) and args.zero != 1:
+        return "--overlap is for --zero 1 (ZeRO-1 with DDP)"
     for name in ("steps", "batch_size", "threads", "world_size", "trainers"):
         value = getattr(args, name)
         if value is not None and value < 1:

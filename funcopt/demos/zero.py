@@ -5,7 +5,11 @@
 * ``--zero 2``: the same optimizer with ``zero_stage=2`` (sharded state and
   gradients, no DDP);
 * ``--zero 3``: ``funcopt.distributed.Zero3Sequential`` of ``Zero3Layer``
-  (parameters sharded too) with ``torch.optim.Adam`` over its chunks.
+  (parameters sharded too) with ``torch.optim.Adam`` over its chunks;
+* ``--zero 1 --overlap``: also a copy trained with ``overlap_with_ddp=True``
+  (``hook_with_zero_step``: the step inside backward), its median iteration
+  time next to the plain run's; the exit code is 1 unless its parameters are
+  bitwise the plain run's.
 
 The ranks are ``--world-size`` local gloo processes, or the processes torchrun
 started (see :mod:`funcopt.distributed.launch`).  Rank 0 shows a progress bar,
@@ -92,6 +96,7 @@ def _rank(rank: int, world: int, args: argparse.Namespace) -> int:
     else:
         opt = ZeroRedundancyOptimizer(params, torch.optim.Adam, zero_stage=stage, lr=args.lr)
         net = torch.nn.parallel.DistributedDataParallel(model) if stage == 1 else model
+    ov = _overlapped(torch, args, model) if getattr(args, "overlap", False) else None
     lo, hi = rank * per_rank, (rank + 1) * per_rank
     t_built = time.perf_counter()
     if rank == 0:
@@ -112,6 +117,11 @@ def _rank(rank: int, world: int, args: argparse.Namespace) -> int:
                           else tensor_bytes(p.grad for p in params if p.grad is not None))
         opt.step()
         times.append(time.perf_counter() - t0)
+        if ov is not None:  # the same iteration with the step inside backward
+            t0 = time.perf_counter()
+            ov["zero"].zero_grad(set_to_none=True)
+            loss_fn(ov["ddp"](xs[k, lo:hi]), ys[k, lo:hi]).backward()  # steps inside; no step() call
+            ov["times"].append(time.perf_counter() - t0)
         if rank == 0 and not args.no_progress and (k % 10 == 0 or k == steps - 1):
             bar.set_postfix(loss=f"{loss.item():.4g}")
     bar.close()
@@ -133,8 +143,35 @@ def _rank(rank: int, world: int, args: argparse.Namespace) -> int:
         verdict[0] = _report(torch, args, world, full, final, everyone)
         print(f"rank 0 wall time: {t_built - t_start:.1f} s set-up, {t_trained - t_built:.1f} s training, "
               f"{time.perf_counter() - t_trained:.1f} s single-process reference")
+    if ov is not None:
+        ov["zero"].step()  # finishes the last parameter syncs
+        same = all(torch.equal(a, b) for a, b in zip(params, ov["model"].parameters()))
+        if rank == 0:
+            plain, over = statistics.median(times), statistics.median(ov["times"])
+            print(f"overlap_with_ddp=True (hook_with_zero_step): median iteration {over * 1e3:.2f} ms vs "
+                  f"{plain * 1e3:.2f} ms plain ({over / plain:.2f}x); parameters bitwise equal to the plain "
+                  f"run: {'yes' if same else 'NO'}; skipped steps: 0")
+        flags = [None] * world
+        dist.all_gather_object(flags, same)
+        if not all(flags):
+            verdict[0] = 1
     dist.broadcast_object_list(verdict, src=0)
     return int(verdict[0])
+
+
+def _overlapped(torch: Any, args: argparse.Namespace, model: Any) -> dict:
+    """A copy of the model with ZeRO-1 ``overlap_with_ddp=True`` stepping inside backward."""
+    import copy
+
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    from funcopt.distributed import ZeroRedundancyOptimizer, hook_with_zero_step
+
+    twin = copy.deepcopy(model)
+    ddp = torch.nn.parallel.DistributedDataParallel(twin)
+    zero = ZeroRedundancyOptimizer(list(twin.parameters()), torch.optim.Adam, overlap_with_ddp=True, lr=args.lr)
+    ddp.register_comm_hook(None, hook_with_zero_step(allreduce_hook, ddp, zero))
+    return dict(model=twin, ddp=ddp, zero=zero, times=[])
 
 
 def _report(torch: Any, args: argparse.Namespace, world: int, full: Optional[List[Any]], final: float,
