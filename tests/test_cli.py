@@ -93,6 +93,8 @@ BAD = [
     (["bench", "step", "--repeats", "0"], "--repeats must be at least 1"),
     (["bench", "step", "--algos", "Shampoo"], "unknown algorithm"),
     (["bench", "step", "--sizes", "huge"], "--sizes"),
+    (["demo", "--overlap"], "--overlap is for --zero 1"),
+    (["demo", "--zero", "2", "--overlap"], "--overlap is for --zero 1"),
     (["bench", "zero", "--world-size", "0"], "--world-size must be at least 1"),
     (["bench", "zero", "--iters", "0"], "--iters must be at least 1"),
     (["bench", "zero", "--lr", "-1"], "--lr"),
