@@ -45,7 +45,8 @@ def main(rank: int, world: int, ckpt: str) -> None:
         set_state_dict(model2, opt2, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
         same = all(torch.equal(a.full_tensor(), b.full_tensor()) for a, b in zip(model.parameters(), model2.parameters()))
         if rank == 0:
-            print(f"restored parameters equal: {same}")
+            with open(f"{ckpt}/result.txt", "w") as f:
+                f.write(f"restored parameters equal: {same}")
     finally:
         dist.destroy_process_group()
 
@@ -53,3 +54,5 @@ def main(rank: int, world: int, ckpt: str) -> None:
 if __name__ == "__main__":
     with tempfile.TemporaryDirectory() as d:
         torch.multiprocessing.spawn(main, args=(2, d), nprocs=2)
+        with open(f"{d}/result.txt") as f:
+            print(f.read())

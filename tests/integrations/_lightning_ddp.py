@@ -1,5 +1,5 @@
 """``strategy="ddp"`` on 2 CPU processes for ``test_lightning.py``: every registry
-algorithm, torch.optim and funcopt (eager, scripted), one after another in the same
+algorithm, torch.optim and funcopt eager, one after another in the same
 launch; rank 0 saves ``{(name, flavour): final params}`` to ``sys.argv[1]``.
 
 Lightning's DDP launcher re-runs this script for rank 1 (it cannot run inside pytest)."""
@@ -20,7 +20,7 @@ def main(out: str) -> None:
     results = {}
     rank = 0
     for name in REGISTRY:
-        for flavour in ("torch", "eager", "scripted"):
+        for flavour in ("torch", "eager"):  # scripted: the single-process tests
             module = L.Module(name, flavour)
             if flavour == "torch":
                 results[(name, "init")] = snapshot(module.parameters())

@@ -41,8 +41,9 @@ def run(name: str, flavour: str, save: str = None, load: str = None) -> list:
         with acc.accumulate(model):
             loss = torch.nn.functional.mse_loss(model(x[4 * i:4 * i + 4]), y[4 * i:4 * i + 4])
             acc.backward(loss)
-            if acc.sync_gradients:
-                acc.clip_grad_norm_(model.parameters(), 0.5)
+            if acc.sync_gradients:  # the optimizer's parameters: Muon leaves the biases out (and their
+                # gradients uncleared by opt.zero_grad(), so clipping them would differ after a resume)
+                acc.clip_grad_norm_([p for g in opt.param_groups for p in g["params"]], 0.5)
             opt.step()
             sched.step()
             opt.zero_grad()

@@ -81,15 +81,16 @@ def test_checkpoint_resume_continues_exactly(name, flavour, tmp_path):
 
 
 def test_ddp_two_cpu_processes(tmp_path):
-    """strategy="ddp", 2 CPU processes, every algorithm (funcopt eager and scripted, and
-    torch.optim) in one launch; rank 0 writes the final parameters of each run."""
+    """strategy="ddp", 2 CPU processes, every algorithm (funcopt eager and torch.optim; the
+    scripted step is Lightning-tested above) in one launch; rank 0 writes the final
+    parameters of each run."""
     out = tmp_path / "ddp.pt"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), *sys.path]))
     proc = subprocess.run([sys.executable, str(Path(__file__).parent / "_lightning_ddp.py"), str(out)],
                           env=env, capture_output=True, text=True, timeout=500, cwd=tmp_path)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     results = torch.load(out)
-    for name, flavour in [c.values for c in CASES]:
+    for name, flavour in [c.values for c in CASES if c.values[1] == "eager"]:
         want = results[(name, "torch")]
         assert_close(results[(name, flavour)], want, f"ddp {name} {flavour} vs torch.optim")
         assert_trained(results[(name, "init")], want, f"ddp {name} torch.optim")
