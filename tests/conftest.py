@@ -1,5 +1,10 @@
 """Shared test helpers: deterministic random parameters and gradients.
 
+Grids: the registry-driven tests run every grid point of an algorithm where a
+case is cheap and the pairwise cover ``spec.pairs()`` where it is expensive
+(scripted, float64, for-loop parity); set ``FUNCOPT_FULL_GRID=1`` to run every
+grid point everywhere (``funcopt/registry.py``, README "Run the tests").
+
 The factories are session-scoped fixtures (plain functions), so hypothesis
 tests may use them too.
 """

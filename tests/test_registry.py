@@ -1,4 +1,5 @@
 """The registry is the single list of algorithms; docs and exports follow it."""
+import itertools
 from pathlib import Path
 
 import pytest
@@ -34,3 +35,43 @@ def test_entry_is_consistent(name):
 def test_unknown_algorithm_lookup_names_known_ones():
     with pytest.raises(KeyError, match="Adam"):
         registry.get("Shampoo")
+
+
+def _covered(points, keys):
+    """Every (key, value) pair-of-pairs the points hold (values by grid index)."""
+    out = set()
+    for kw in points:
+        cells = [(k, repr(kw[k])) for k in keys]
+        out |= {(a, b) for i, a in enumerate(cells) for b in cells[i:]}
+    return out
+
+
+@pytest.mark.parametrize("name", list(registry.REGISTRY))
+def test_pairs_cover_every_value_and_pair_of_the_grid(name, monkeypatch):
+    monkeypatch.delenv("FUNCOPT_FULL_GRID", raising=False)
+    spec = registry.REGISTRY[name]
+    combos, pairs = list(spec.combos()), spec.pairs()
+    keys = list(spec.grid)
+    assert all(p in combos for p in pairs), "pairs() returned a point torch does not accept"
+    assert len({repr(sorted(p.items())) for p in pairs}) == len(pairs), "a point twice"
+    assert _covered(pairs, keys) == _covered(combos, keys)
+    assert pairs == spec.pairs(), "not deterministic"
+    if len(keys) >= 4:
+        assert len(pairs) < len(combos)
+    monkeypatch.setenv("FUNCOPT_FULL_GRID", "1")
+    assert spec.pairs() == combos
+
+
+def test_pairwise_cover_respects_missing_rows():
+    # 3 binary columns, row (1, 1, 1) absent (as if torch refused it): the pairs
+    # it alone would hold cannot be asked for; all others are covered
+    rows = [r for r in itertools.product(range(2), repeat=3) if r != (1, 1, 1)]
+    chosen = [rows[i] for i in registry._pairwise_cover(rows)]
+    want = {(a, b) for r in rows for i, a in enumerate(enumerate(r)) for b in list(enumerate(r))[i:]}
+    got = {(a, b) for r in chosen for i, a in enumerate(enumerate(r)) for b in list(enumerate(r))[i:]}
+    assert got == want
+    assert len(chosen) < len(rows)
+    assert registry._pairwise_cover([]) == []
+    # 6 binary columns, full product: a strength-2 cover needs far fewer than 64 rows
+    full = list(itertools.product(range(2), repeat=6))
+    assert len(registry._pairwise_cover(full)) <= 8
