@@ -28,7 +28,7 @@ def test_entry_is_consistent(name):
     # lookup by name, funcopt class and torch class all give the entry
     assert registry.get(name) is registry.get(spec.cls) is registry.get(spec.torch_cls) is spec
     # construction defaults equal torch's (same param_groups keys and values)
-    p = torch.zeros(3, requires_grad=True)
+    p = torch.zeros(spec.probe_shape, requires_grad=True)  # a shape torch's class accepts (Muon: 2-D)
     assert spec.cls([p]).param_groups[0] == spec.torch_cls([p]).param_groups[0]
 
 
