@@ -426,7 +426,11 @@ def run_mismatch(case: Dict[str, Any], rank: int, world: int) -> Dict[str, Any]:
 def run_options(case: Dict[str, Any], rank: int, world: int) -> Dict[str, Any]:
     params = list(Net().parameters())
     return {
-        "overlap_with_ddp": _catch(lambda: ZeroRedundancyOptimizer(params, torch.optim.Adam, overlap_with_ddp=True, lr=0.01)),
+        "overlap_with_ddp+zero_stage=2": _catch(lambda: ZeroRedundancyOptimizer(
+            params, torch.optim.Adam, overlap_with_ddp=True, zero_stage=2, lr=0.01)),
+        # overlap_with_ddp without its DDP comm hook: step() says to register it
+        "overlap_with_ddp-step-without-hook": _catch(lambda: ZeroRedundancyOptimizer(
+            params, torch.optim.Adam, overlap_with_ddp=True, lr=0.01).step()),
         "zero_stage=3": _catch(lambda: ZeroRedundancyOptimizer(params, torch.optim.Adam, zero_stage=3, lr=0.01)),
         "zero_stage=0": _catch(lambda: ZeroRedundancyOptimizer(params, torch.optim.Adam, zero_stage=0, lr=0.01)),
         "partition=bogus": _catch(lambda: ZeroRedundancyOptimizer(params, torch.optim.Adam, partition="bogus", lr=0.01)),

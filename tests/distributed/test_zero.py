@@ -291,7 +291,8 @@ def test_failed_add_param_group_changes_nothing(run, world):
             f"rank {r}: a rejected add_param_group left {res['groups-after-failed-add']} param groups"
 
 
-OPTIONS = {"overlap_with_ddp": "NotImplementedError", "zero_stage=3": "ValueError", "zero_stage=0": "ValueError",
+OPTIONS = {"overlap_with_ddp+zero_stage=2": "ValueError", "overlap_with_ddp-step-without-hook": "RuntimeError",
+           "zero_stage=3": "ValueError", "zero_stage=0": "ValueError",
            "partition=bogus": "ValueError", "bad-lr": "ValueError", "unknown-class": "TypeError"}
 
 
