@@ -5,7 +5,6 @@ so ``get_state_dict`` / ``dcp.save`` / ``dcp.load`` / ``set_state_dict`` work un
 
     python examples/fsdp2_dcp.py
 """
-import os
 import tempfile
 
 import torch
@@ -43,7 +42,8 @@ def main(rank: int, world: int, ckpt: str) -> None:
         sd = {"model": msd2, "optim": osd2}
         dcp.load(sd, checkpoint_id=f"{ckpt}/step3")
         set_state_dict(model2, opt2, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
-        same = all(torch.equal(a.full_tensor(), b.full_tensor()) for a, b in zip(model.parameters(), model2.parameters()))
+        same = all(torch.equal(a.full_tensor(), b.full_tensor())
+                   for a, b in zip(model.parameters(), model2.parameters()))
         if rank == 0:
             with open(f"{ckpt}/result.txt", "w") as f:
                 f.write(f"restored parameters equal: {same}")

@@ -4,10 +4,11 @@ gloo CPU ranks, checkpointed with torch.distributed.checkpoint (``get_state_dict
 ``step(closure)`` by position and by keyword, returning the closure's loss.
 
 The oracle is one single-process ``torch.optim`` run of the class of the same name on
-the full batch: FSDP2 parameters (an algorithm whose rule needs each parameter
-whole, ``spec.whole_params``, is refused on DTensor parameters with a clear error) (``full_tensor()``) and the full optimizer state
+the full batch: FSDP2 parameters (``full_tensor()``) and the full optimizer state
 (``get_optimizer_state_dict(full_state_dict=True)``) must equal it (float32 rtol 1e-5),
 and a run resumed from the DCP checkpoint must equal the uninterrupted run exactly.
+An algorithm whose rule needs each parameter whole (``spec.whole_params``) is refused
+on DTensor parameters with a clear error.
 One spawn runs every case (``_dist_fsdp2_work.py``).
 """
 from __future__ import annotations

@@ -87,8 +87,8 @@ def test_funcopt_step_arguments_still_work(name, flavour):
     assert_equal(run(lambda opt, g: opt.step(grads=g)), want, f"{name} {flavour} step(grads=)")
     assert_equal(run(lambda opt, g: opt.step(grads=[x * 4 for x in g], grad_scale=torch.tensor(4.0),
                                              found_inf=torch.tensor(0.0))), want, f"{name} {flavour} grad_scale=")
-    assert_equal(run(lambda opt, g: opt.step(grads=g, found_inf=torch.tensor(1.0))), snapshot(tiny_model().parameters()),
-                 f"{name} {flavour} found_inf=1")
+    assert_equal(run(lambda opt, g: opt.step(grads=g, found_inf=torch.tensor(1.0))),
+                 snapshot(tiny_model().parameters()), f"{name} {flavour} found_inf=1")
 
 
 def test_distributed_step_signatures_are_torchs():

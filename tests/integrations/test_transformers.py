@@ -41,7 +41,8 @@ class Tokens(torch.utils.data.Dataset):
 
 def tiny_gpt2() -> torch.nn.Module:
     torch.manual_seed(0)
-    config = transformers.GPT2Config(vocab_size=32, n_positions=8, n_embd=8, n_layer=1, n_head=2, bos_token_id=0, eos_token_id=0,
+    config = transformers.GPT2Config(vocab_size=32, n_positions=8, n_embd=8, n_layer=1, n_head=2,
+                                     bos_token_id=0, eos_token_id=0,
                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     return transformers.GPT2LMHeadModel(config)
 
@@ -75,6 +76,6 @@ def test_trainer_matches_torch_optim_and_resumes_exactly(name, flavour, tmp_path
     assert_trained(snapshot(tiny_gpt2().parameters()), want, f"{name} torch.optim")
     got = train(name, flavour, str(tmp_path / "straight"), config=config)
     assert_close(got, want, f"{name} {flavour} ({config}) vs torch.optim")
-    resumed = train(name, flavour, str(tmp_path / "resumed"), resume=str(tmp_path / "straight" / f"checkpoint-{SAVE_AT}"),
-                    config=config)
+    checkpoint = str(tmp_path / "straight" / f"checkpoint-{SAVE_AT}")
+    resumed = train(name, flavour, str(tmp_path / "resumed"), resume=checkpoint, config=config)
     assert_equal(resumed, got, f"{name} {flavour}: resumed from checkpoint-{SAVE_AT} vs uninterrupted")
