@@ -8,6 +8,7 @@ class at the top level.
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import itertools
 import os
@@ -51,6 +52,38 @@ class AlgorithmSpec:
             object.__setattr__(self, "cls", getattr(module, self.name))
         if self.rich is None:
             object.__setattr__(self, "rich", dict(self.base))
+
+    def takes(self, shape: tuple, dtype: torch.dtype = torch.float32) -> bool:
+        """Whether ``torch_cls`` steps a parameter of this shape and dtype (asked
+        once, on a throw-away tensor): Muon takes matrices only, Adafactor no
+        empty tensors, neither complex ones.  Tests build their parameters with
+        :meth:`param_shape` and skip what torch itself refuses."""
+        return _takes(self.torch_cls, tuple(shape), dtype, tuple(sorted(self.base.items())))
+
+    def param_shape(self, shape: tuple) -> tuple:
+        """``shape`` if ``torch_cls`` takes it, else the nearest shape it takes
+        (same leading size: a vector (n,) becomes (n, 1) for a matrices-only rule,
+        (2, 1, 3) becomes (2, 3), an empty or 0-d one (1,) or (1, 1))."""
+        shape = tuple(shape)
+        if self.takes(shape):
+            return shape
+        n = 1
+        for d in shape:
+            n *= d
+        lead = shape[0] if shape and shape[0] > 0 else 1
+        rest = max(1, n // lead) if n > 0 else 1
+        for cand in ((max(n, 1),), (lead, rest), (1, 1)):
+            if self.takes(cand):
+                return cand
+        raise ValueError(f"{self.name}: no parameter shape near {shape} that torch.optim.{self.name} takes")
+
+    def torch_flags(self, flags: Dict[str, Any]) -> Dict[str, Any]:
+        """``flags`` (``foreach=``/``fused=``...) without those ``torch_cls`` has no
+        argument for (Muon: one implementation only)."""
+        import inspect as _inspect
+
+        accepted = _inspect.signature(self.torch_cls.__init__).parameters
+        return {k: v for k, v in flags.items() if k in accepted}
 
     def configs(self) -> List[Dict[str, Any]]:
         """``rich``, plus ``rich`` with ``maximize=True`` where torch accepts it:
@@ -195,6 +228,18 @@ _SPECS = [
 ]
 
 REGISTRY: Dict[str, AlgorithmSpec] = {s.name: s for s in _SPECS}
+
+
+@functools.lru_cache(maxsize=None)
+def _takes(torch_cls: type, shape: tuple, dtype: torch.dtype, base: tuple) -> bool:
+    p = torch.zeros(shape, dtype=dtype, requires_grad=True)
+    try:
+        opt = torch_cls([p], **dict(base))
+        p.grad = torch.ones_like(p)
+        opt.step()
+    except (RuntimeError, ValueError, TypeError, ZeroDivisionError, NotImplementedError):
+        return False
+    return True
 
 
 def register(spec: AlgorithmSpec) -> AlgorithmSpec:
