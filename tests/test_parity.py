@@ -17,9 +17,9 @@ STEPS = 20
 IMPLS = {"fused": dict(fused=True), "foreach": dict(foreach=True)}
 
 
-def _params(dtype):
+def _params(dtype, spec):
     g = torch.Generator().manual_seed(0)
-    shapes = [(7, 3), (5,), (), (2, 2, 2), (0,)]
+    shapes = [spec.param_shape(s) for s in [(7, 3), (5,), (), (2, 2, 2), (0,)]]  # Muon: matrices
     return [torch.randn(s, dtype=dtype, generator=g) for s in shapes]
 
 
@@ -68,13 +68,13 @@ def _cases():
 @pytest.mark.parametrize("name,kw,dtype,impl,scripted", list(_cases()))
 def test_matches_torch_optim(name, kw, dtype, impl, scripted):
     spec = REGISTRY[name]
-    base = _params(dtype)
+    base = _params(dtype, spec)
     fparams = [p.clone().requires_grad_() for p in base]
     tparams = [p.clone().requires_grad_() for p in base]
-    fo = spec.cls(fparams, **kw, **IMPLS[impl])
+    fo = spec.cls(fparams, **kw, **spec.torch_flags(IMPLS[impl]))
     if scripted:
         funcopt.script(fo)
-    to = spec.torch_cls(tparams, **kw, **IMPLS[impl])
+    to = spec.torch_cls(tparams, **kw, **spec.torch_flags(IMPLS[impl]))
     gen = torch.Generator().manual_seed(1)
     # torch's fused SGD cannot take a first step with some momentum buffers
     # missing (it indexes None); keep the None-at-step-0 case to the others.
