@@ -16,9 +16,29 @@ import torch
 DEFAULT_SHAPES = ((3, 4), (5,), (), (2, 1, 3))
 
 
+# the registry algorithm the running test is parametrized with ("name"), if
+# any: make_params then shapes its tensors as that algorithm's torch class
+# takes them (spec.param_shape: Muon matrices only, Adafactor no empty ones)
+_CURRENT_SPEC: list = [None]
+
+
+@pytest.fixture(autouse=True)
+def _algorithm_under_test(request):
+    from funcopt.registry import REGISTRY
+
+    callspec = getattr(request.node, "callspec", None)
+    name = callspec.params.get("name") if callspec is not None else None
+    _CURRENT_SPEC[0] = REGISTRY.get(name) if isinstance(name, str) else None
+    yield
+    _CURRENT_SPEC[0] = None
+
+
 def _params(shapes: Sequence = DEFAULT_SHAPES, dtype: torch.dtype = torch.float32, seed: int = 0) -> List[torch.Tensor]:
     """Leaf tensors with ``requires_grad``; the same seed gives the same values."""
     gen = torch.Generator().manual_seed(seed)
+    spec = _CURRENT_SPEC[0]
+    if spec is not None:
+        shapes = [spec.param_shape(tuple(s)) for s in shapes]
     return [torch.randn(tuple(s), generator=gen, dtype=dtype).requires_grad_() for s in shapes]
 
 
