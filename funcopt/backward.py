@@ -251,6 +251,7 @@ class StepInBackward:
             self._paused = old
 
     def reset_peak(self) -> None:
+        """Start measuring ``peak_grad_bytes`` again from the gradients held now."""
         self.peak_grad_bytes = self.held_grad_bytes
 
     def remove(self) -> None:

@@ -299,6 +299,9 @@ class Adafactor(Optimizer):
 
     @classmethod
     def slot_shape(cls, name: str, p: Tensor) -> Optional[Tuple[int, ...]]:
+        """Factored state: ``row_var``/``col_var`` for parameters of 2 or more
+        dimensions (the last dimension, resp. the one before it, reduced),
+        ``variance`` otherwise; ``None`` for the slots ``p`` does not have."""
         shape = tuple(p.shape)
         if name == "step":
             return ()

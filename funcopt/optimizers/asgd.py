@@ -188,6 +188,7 @@ class ASGD(Optimizer):
 
     @classmethod
     def slot_shape(cls, name: str, p: Tensor) -> Optional[tuple]:
+        """``step``, ``eta`` and ``mu`` are scalars; ``ax`` is shaped like ``p``."""
         return () if name in ("step", "eta", "mu") else tuple(p.shape)
 
     def __init__(self, params: Any, lr: Any = 1e-2, lambd: float = 1e-4, alpha: float = 0.75, t0: float = 1e6,

@@ -227,6 +227,7 @@ class NAdam(Optimizer):
 
     @classmethod
     def slot_shape(cls, name: str, p: Tensor) -> Optional[Tuple[int, ...]]:
+        """``step`` and ``mu_product`` are scalars; the moments are shaped like ``p``."""
         return () if name in ("step", "mu_product") else tuple(p.shape)
 
     def __init__(self, params: Any, lr: Any = 2e-3, betas: Tuple[Any, Any] = (0.9, 0.999), eps: float = 1e-8,

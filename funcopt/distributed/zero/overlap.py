@@ -69,7 +69,9 @@ class ZeroOverlap:
       local_shapes: per segment, the shape its gradient takes (None: 1-D range).
       before_step: called (on the autograd thread) before a backward's first
         bucket steps: hyperparameters to the local optimizer.
-      process_group, rank, world: as the ZeRO optimizer's.
+      process_group: the ZeRO optimizer's process group.
+      rank: this rank in it.
+      world: its size.
     """
 
     def __init__(self, segments: Sequence[Any], all_segments: Sequence[Sequence[Any]], params: List[Tensor],
@@ -156,6 +158,7 @@ class ZeroOverlap:
             self.start_sync(params)
 
     def wait_params(self, params: Sequence[Tensor]) -> None:
+        """Wait for the pending parameter syncs of ``params`` (a forward pre-hook calls this)."""
         for p in params:
             sync = self.pending.pop(self.index.get(id(p), -1), None)
             if sync is not None:
