@@ -38,8 +38,11 @@ def torch_accepts(spec, name):
 
 
 def need(spec, impl):
-    if not torch_accepts(spec, impl) or (impl == "fused" and "cpu" not in spec.fused_devices):
-        pytest.skip(f"{spec.name}: no {impl} implementation on CPU")
+    """The impl flags both classes get (``spec.torch_flags``): none where torch's
+    class has a single implementation (Muon), which then runs as "foreach"."""
+    if impl == "fused" and (not torch_accepts(spec, impl) or "cpu" not in spec.fused_devices):
+        pytest.skip(f"{spec.name}: torch has no fused implementation on CPU")
+    return spec.torch_flags({impl: True})
 
 
 def kernels_of(spec):
@@ -62,6 +65,23 @@ def test_every_algorithm_has_a_kernel(name):
     assert kernels_of(REGISTRY[name]), f"no kernel f(params, grads, ...) found for {name}"
 
 
+def _fill(hint):
+    """A value of a scalar kernel argument's type (``None``: no rule for it)."""
+    if hint is bool:
+        return True  # every optional branch on
+    if hint is float:
+        return 0.1
+    if hint is int:
+        return 1
+    origin, inner = typing.get_origin(hint), typing.get_args(hint)
+    if origin is typing.Union and type(None) in inner:  # Optional[X]: a value, not None
+        return _fill(next(a for a in inner if a is not type(None)))
+    if origin is tuple and inner and Ellipsis not in inner:
+        vals = tuple(_fill(a) for a in inner)
+        return None if None in vals else vals
+    return None
+
+
 def _empty_args(fn, fused):
     hints = typing.get_type_hints(fn)
     args = {}
@@ -71,10 +91,8 @@ def _empty_args(fn, fused):
             args[pname] = []
         elif pname == "fused":
             args[pname] = fused
-        elif hint is bool:
-            args[pname] = True  # every optional branch on
-        elif hint is float:
-            args[pname] = 0.1
+        elif _fill(hint) is not None:
+            args[pname] = _fill(hint)
         elif param.default is not inspect.Parameter.empty:
             continue
         else:  # pragma: no cover - a new kernel argument type
@@ -117,8 +135,9 @@ def _run(opt_cls, params, kw, grads_per_step, is_funcopt, scripted):
 @given(data=st.data())
 def test_kernel_matches_torch_bitwise(name, impl, data):
     spec = REGISTRY[name]
-    need(spec, impl)
-    shapes = data.draw(shapes_st, label="shapes")
+    flags = need(spec, impl)
+    # each shape as torch's class takes it (spec.param_shape: Muon matrices, Adafactor non-empty)
+    shapes = [spec.param_shape(s) for s in data.draw(shapes_st, label="shapes")]
     dtype = data.draw(st.sampled_from([torch.float32, torch.float64]), label="dtype")
     kw = data.draw(st.sampled_from(list(spec.combos())), label="hyper")
     scripted = data.draw(st.booleans(), label="scripted")
@@ -128,7 +147,7 @@ def test_kernel_matches_torch_bitwise(name, impl, data):
     grads = [[torch.randn(s, generator=gen, dtype=dtype) for s in shapes] for _ in range(3)]
     fparams = [x.clone().requires_grad_() for x in init]
     tparams = [x.clone().requires_grad_() for x in init]
-    kw = dict(kw, **{impl: True})
+    kw = dict(kw, **flags)
     fo = _run(spec.cls, fparams, kw, grads, True, scripted)
     to = _run(spec.torch_cls, tparams, kw, grads, False, False)
     for i, (a, b) in enumerate(zip(fparams, tparams)):
