@@ -47,9 +47,12 @@ def _make(name, impl, mode, params, **extra):
     return funcopt.script(opt) if mode == "scripted" else opt
 
 
-def _params(seed=0):
+def _params(name, seed=0):
+    """A matrix, a vector and a scalar, each shaped as torch's class takes it
+    (``spec.param_shape``: (5, 1) and (1, 1) for a matrices-only rule)."""
     g = torch.Generator().manual_seed(seed)
-    return [torch.randn(s, generator=g).requires_grad_() for s in [(3, 4), (5,), ()]]
+    spec = REGISTRY[name]
+    return [torch.randn(spec.param_shape(s), generator=g).requires_grad_() for s in [(3, 4), (5,), ()]]
 
 
 def _grads(params, step):
@@ -82,7 +85,7 @@ SKIP_VALUES = [2.0, float("nan"), 0.5, -1.0, float("inf")]
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name,impl", CASES)
 def test_any_nonzero_found_inf_skips_the_step(name, impl, mode):
-    params = _params()
+    params = _params(name)
     opt = _make(name, impl, mode, params)
     for t in range(2):
         opt.step(_grads(params, t))
@@ -94,7 +97,7 @@ def test_any_nonzero_found_inf_skips_the_step(name, impl, mode):
             opt.step(_grads(params, 5), grad_scale=torch.tensor(2.0), found_inf=torch.full(shape, v))
             assert_unchanged(before, opt)
     # and the optimizer still steps, counters from where they were
-    twin_params = _params()
+    twin_params = _params(name)
     twin = _make(name, impl, "eager", twin_params)
     for t in range(2):
         twin.step(_grads(twin_params, t))
@@ -111,7 +114,7 @@ def test_any_nonzero_found_inf_skips_the_step(name, impl, mode):
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name,impl", CASES)
 def test_skipped_first_step_leaves_no_state(name, impl, mode):
-    params = _params()
+    params = _params(name)
     opt = _make(name, impl, mode, params)
     before = snapshot(opt)
     for v in SKIP_VALUES:
@@ -149,7 +152,7 @@ def _bad_amp():
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name,impl", CASES)
 def test_bad_found_inf_or_grad_scale_is_a_clear_error(name, impl, mode, which):
-    params = _params()
+    params = _params(name)
     opt = _make(name, impl, mode, params)
     opt.step(_grads(params, 0))
     before = snapshot(opt)
@@ -158,7 +161,7 @@ def test_bad_found_inf_or_grad_scale_is_a_clear_error(name, impl, mode, which):
             opt.step(_grads(params, 1), **{which: bad})
         assert_unchanged(before, opt)
     # on a first step too: no state allocated
-    fresh_params = _params()
+    fresh_params = _params(name)
     fresh = _make(name, impl, mode, fresh_params)
     before = snapshot(fresh)
     with pytest.raises(ValueError, match=which):
@@ -172,16 +175,17 @@ def test_integer_parameters_refused_before_any_change(name, mode):
     """torch.optim accepts integer parameters at construction and fails in the
     step (after bumping counters); we fail in the step, before any change, with
     torch's error type (RuntimeError)."""
-    ok = _params()
-    ip = torch.zeros(3, dtype=torch.long)
+    ok = _params(name)
+    shape = REGISTRY[name].param_shape((3,))  # (3, 1) for a matrices-only rule
+    ip = torch.zeros(shape, dtype=torch.long)
     opt = _make(name, "auto", mode, [{"params": ok}, {"params": [ip]}])
     opt.step(_grads(ok, 0) + [None])
     before = snapshot(opt)
     with pytest.raises(RuntimeError, match="floating point or complex"):
-        opt.step(_grads(ok, 1) + [torch.ones(3, dtype=torch.long)])
+        opt.step(_grads(ok, 1) + [torch.ones(shape, dtype=torch.long)])
     assert_unchanged(before, opt)
-    torch_opt = REGISTRY[name].torch_cls([torch.zeros(3, dtype=torch.long)], **KW[name])
-    torch_opt.param_groups[0]["params"][0].grad = torch.ones(3, dtype=torch.long)
+    torch_opt = REGISTRY[name].torch_cls([torch.zeros(shape, dtype=torch.long)], **KW[name])
+    torch_opt.param_groups[0]["params"][0].grad = torch.ones(shape, dtype=torch.long)
     with pytest.raises((RuntimeError, NotImplementedError)):  # torch's own: a kernel's dtype error
         torch_opt.step()
 
@@ -191,17 +195,17 @@ def test_integer_parameters_refused_before_any_change(name, mode):
 def test_bad_input_in_a_later_bucket_changes_nothing(name, impl, mode):
     """Two groups: the bad input sits in the second; the first group's
     parameters, state and counters must not move."""
-    a, b = _params(0), _params(1)
+    a, b = _params(name, 0), _params(name, 1)
     opt = _make(name, impl, mode, [{"params": a}, {"params": b, "lr": 0.1}])
     opt.step(_grads(a + b, 0))
     before = snapshot(opt)
     grads = _grads(a + b, 1)
-    grads[-2] = torch.randn(5, dtype=torch.float64)
+    grads[-2] = torch.randn(b[-2].shape, dtype=torch.float64)
     with pytest.raises(ValueError, match="dtype"):
         opt.step(grads)
     assert_unchanged(before, opt)
     grads = _grads(a + b, 1)
-    grads[-3] = torch.randn(3, 4).to_sparse_csr()
+    grads[-3] = torch.randn(b[-3].shape).to_sparse_csr()
     with pytest.raises(RuntimeError, match="sparse"):
         opt.step(grads)
     assert_unchanged(before, opt)
