@@ -2,7 +2,9 @@
 
 * A whole training step (forward, ``torch.autograd.grad``, funcopt step) in a
   scripted module, saved with ``torch.jit.save`` and trained on in a fresh
-  process that never imports funcopt, equals the same steps run eagerly.
+  process that never imports funcopt, equals the same steps run eagerly
+  (an algorithm whose torch class refuses the net's bias vectors -- Muon,
+  matrices only -- optimizes the parameters it takes: ``spec.takes``).
 * ``funcopt.script(opt)`` equals the eager optimizer for every registry
   algorithm over the pairwise cover of its grid (``spec.pairs()``), both
   impls, with ``None`` grads.
@@ -66,17 +68,34 @@ def _module_cases() -> Dict[str, Any]:
 MODULE_CASES = _module_cases()
 
 
+def _taken(case: str, params) -> List[int]:
+    """Indices of the ``params`` that the case's algorithm takes
+    (``spec.takes``): all of them, except where torch's class refuses some."""
+    spec = registry.get(MODULE_CASES[case][0])
+    return [i for i, p in enumerate(params) if spec.takes(tuple(p.shape), p.dtype)]
+
+
 def _build(case: str, keep: Optional[list] = None) -> torch.nn.Module:
+    """The example's TrainStep for ``case``.  Where the algorithm's torch class
+    refuses some of the Linear/ReLU net's parameters (Muon: matrices only, not
+    the bias vectors), the module optimizes only the parameters it takes
+    (``spec.takes``, via :func:`_taken`): ``m.params`` -- what ``train_step``
+    differentiates and steps -- holds those, the others stay as initialized.
+    Every other algorithm optimizes all of them, as the example does."""
     cls, kw, impl = MODULE_CASES[case]
+    taken: List[torch.Tensor] = []
 
     def make(ps):
-        opt = cls(ps, impl=impl, **kw)
+        taken.extend(ps[i] for i in _taken(case, ps))
+        opt = cls(taken, impl=impl, **kw)
         if keep is not None:
             keep.append(opt)
         return opt
 
     torch.manual_seed(0)
-    return example.TrainStep(make)
+    m = example.TrainStep(make)
+    m.params = taken  # the same tensor objects as the net's parameters
+    return m
 
 
 def _eager_params(case: str, x: torch.Tensor, y: torch.Tensor) -> List[torch.Tensor]:
@@ -92,11 +111,11 @@ def _eager_params(case: str, x: torch.Tensor, y: torch.Tensor) -> List[torch.Ten
     keep: list = []
     m = _build(case, keep)
     opt = keep[0]
-    params = list(m.net.parameters())
+    params = list(m.params)  # the parameters the optimizer holds (_build)
     for _ in range(N_STEPS):
         loss = torch.nn.functional.mse_loss(m(x), y)
         opt.step(list(torch.autograd.grad(loss, params)))
-    return [p.detach().clone() for p in params]
+    return [p.detach().clone() for p in m.net.parameters()]
 
 
 CHILD = textwrap.dedent(
@@ -116,17 +135,21 @@ CHILD = textwrap.dedent(
     warnings.filterwarnings("ignore", message=r"`torch\\.jit\\.\\w+` is deprecated", module=r"torch\\.jit")
     import torch
 
-    names = sys.argv[1:]
+    # each argument: NAME=I,J,...: the indices of the net's parameters the
+    # optimizer holds (all of them but for an algorithm that refuses some)
+    cases = [(a.split("=")[0], [int(i) for i in a.split("=")[1].split(",")]) for a in sys.argv[1:]]
     x, y = torch.load("data.pt")
     out = {}
-    for name in names:
+    for name, idx in cases:
         m = torch.jit.load(name + ".pt")
         net = [p.data_ptr() for p in m.net.parameters()]
-        assert [p.data_ptr() for p in m.params] == net, "params attribute lost its aliasing"
+        assert [p.data_ptr() for p in m.params] == [net[i] for i in idx], "params attribute lost its aliasing"
         before = [p.detach().clone() for p in m.net.parameters()]
         losses = [m.train_step(x, y) for _ in range(%d)]
         after = [p.detach().clone() for p in m.net.parameters()]
-        assert all(not torch.equal(a, b) for a, b in zip(before, after)), name + ": params did not move"
+        for i, (a, b) in enumerate(zip(before, after)):
+            # the optimized parameters move, the others (if any) do not
+            assert torch.equal(a, b) == (i not in idx), name + ": param %%d moved=%%s" %% (i, not torch.equal(a, b))
         out[name] = after
     torch.save(out, "result.pt")
     assert "funcopt" not in sys.modules
@@ -147,12 +170,15 @@ def child_results(tmp_path_factory, data):
     """Script + save every case, then train all of them in ONE fresh process."""
     d = tmp_path_factory.mktemp("jit")
     torch.save(data, d / "data.pt")
+    args = []
     for case in MODULE_CASES:
+        m = _build(case)
+        args.append(case + "=" + ",".join(map(str, _taken(case, list(m.net.parameters())))))
         with quiet_jit():
-            torch.jit.save(torch.jit.script(_build(case)), str(d / f"{case}.pt"))
+            torch.jit.save(torch.jit.script(m), str(d / f"{case}.pt"))
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     proc = subprocess.run(
-        [sys.executable, "-c", CHILD, *MODULE_CASES], cwd=d, env=env,
+        [sys.executable, "-c", CHILD, *args], cwd=d, env=env,
         capture_output=True, text=True, timeout=240,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -173,7 +199,8 @@ def test_scripted_module_in_process(case, data):
     x, y = data
     with quiet_jit():
         m = torch.jit.script(_build(case))
-    assert [p.data_ptr() for p in m.params] == [p.data_ptr() for p in m.net.parameters()]
+    net = [p.data_ptr() for p in m.net.parameters()]
+    assert [p.data_ptr() for p in m.params] == [net[i] for i in _taken(case, list(m.net.parameters()))]
     for _ in range(N_STEPS):
         m.train_step(x, y)
     for g, w in zip(m.net.parameters(), _eager_params(case, x, y)):
@@ -199,19 +226,26 @@ PATTERN = [
 ]
 
 
-def _params(seed: int = 0) -> List[torch.Tensor]:
+def _shapes(spec) -> List[tuple]:
+    """SHAPES as the algorithm's torch class takes them (``spec.param_shape``:
+    unchanged but for Muon, matrices only)."""
+    return [spec.param_shape(s) for s in SHAPES]
+
+
+def _params(seed: int = 0, shapes=SHAPES) -> List[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return [torch.randn(s, generator=g).requires_grad_() for s in SHAPES]
+    return [torch.randn(s, generator=g).requires_grad_() for s in shapes]
 
 
-def _grads(step: int) -> List[Optional[torch.Tensor]]:
+def _grads(step: int, shapes=SHAPES) -> List[Optional[torch.Tensor]]:
     g = torch.Generator().manual_seed(100 + step)
-    return [torch.randn(s, generator=g) if on else None for s, on in zip(SHAPES, PATTERN[step])]
+    return [torch.randn(s, generator=g) if on else None for s, on in zip(shapes, PATTERN[step])]
 
 
 def _run(opt, params) -> None:
+    shapes = [tuple(p.shape) for p in params]
     for k in range(len(PATTERN)):
-        opt.step(_grads(k))
+        opt.step(_grads(k, shapes))
 
 
 def _assert_same(a_opt, a_params, b_opt, b_params) -> None:
@@ -238,8 +272,8 @@ ALL_COMBOS = [
 
 @pytest.mark.parametrize("name,kw,impl", ALL_COMBOS)
 def test_script_matches_eager(name, kw, impl):
-    cls = REGISTRY[name].cls
-    pe, ps = _params(), _params()
+    cls, shapes = REGISTRY[name].cls, _shapes(REGISTRY[name])
+    pe, ps = _params(shapes=shapes), _params(shapes=shapes)
     eager = cls(pe, impl=impl, **kw)
     scripted = funcopt.script(cls(ps, impl=impl, **kw))
     assert isinstance(scripted.core, torch.jit.RecursiveScriptClass)
@@ -256,13 +290,13 @@ def test_script_matches_eager(name, kw, impl):
 def test_dce_subset_step_updates_params(name, impl):
     """A step over a subset of the parameters builds fresh lists for the
     kernel; the script compiler must not drop the in-place update."""
-    cls, kw = REGISTRY[name].cls, REGISTRY[name].base
-    pe, ps = _params(), _params()
+    cls, kw, shapes = REGISTRY[name].cls, REGISTRY[name].base, _shapes(REGISTRY[name])
+    pe, ps = _params(shapes=shapes), _params(shapes=shapes)
     start = [p.detach().clone() for p in ps]
     eager = cls(pe, impl=impl, **kw)
     scripted = funcopt.script(cls(ps, impl=impl, **kw))
-    subset = [torch.ones(s) if i % 2 == 0 else None for i, s in enumerate(SHAPES)]
-    full = [torch.full(s, 0.5) for s in SHAPES]
+    subset = [torch.ones(s) if i % 2 == 0 else None for i, s in enumerate(shapes)]
+    full = [torch.full(s, 0.5) for s in shapes]
     for grads in (subset, full, subset):  # subset before and after every param has state
         eager.step(grads)
         scripted.step(grads)
