@@ -269,7 +269,10 @@ def measure_bandwidth(numel: int = 64 * 2**20, repeats: int = 10) -> Dict[str, f
 
 # --------------------------------------------------------------------------- cases
 def run_case(algo: str, size: str, args: argparse.Namespace, bw: float) -> Dict[str, Any]:
-    shapes = case_shapes(size)
+    from funcopt.registry import REGISTRY
+
+    spec = REGISTRY[algo]
+    shapes = [spec.param_shape(s) for s in case_shapes(size)]  # Muon: matrices (a bias (n,) as (n, 1))
     numel = sum(math.prod(s) for s in shapes)
     base = make_tensors(shapes, 0, 0.02)
     grads = make_tensors(shapes, 1, 1.0)
