@@ -198,6 +198,30 @@ def test_sparse_with_grad_scale_and_found_inf():
 COMPLEX_KW = {name: spec.configs() for name, spec in REGISTRY.items()}
 
 
+def _refused_like_torch(spec, kw, flags, mode, base, grads):
+    """torch's class refuses these parameters (Adafactor, Muon: complex ones):
+    funcopt refuses them too, with an error of the same type (at construction
+    or in the step), and changes nothing."""
+    tp = [p.clone().requires_grad_() for p in base]
+    with pytest.raises(Exception) as torch_err:
+        ref = spec.torch_cls(tp, **kw, **spec.torch_flags(flags))
+        for p, gr in zip(tp, grads):
+            p.grad = gr
+        ref.step()
+    fp = [p.clone().requires_grad_() for p in base]
+    opt, before = None, None
+    with pytest.raises(type(torch_err.value)):
+        opt = spec.cls(fp, **kw, **spec.torch_flags(flags))
+        if mode == "scripted":
+            funcopt.script(opt)
+        before = _snapshot(opt)
+        opt.step(grads)
+    if before is not None:
+        _assert_unchanged(before, opt)
+    for a, b in zip(fp, base):
+        assert torch.equal(a.detach(), b), "a refused parameter changed"
+
+
 @pytest.mark.parametrize("dtype", [torch.complex64, torch.complex128], ids=["c64", "c128"])
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("impl", ["auto", "foreach"])
@@ -207,14 +231,20 @@ def test_complex_params_like_torch(name, impl, mode, dtype):
     real = torch.float32 if dtype == torch.complex64 else torch.float64
     for kw in COMPLEX_KW[name]:
         g = torch.Generator().manual_seed(0)
-        base = [torch.randn(3, 4, generator=g, dtype=dtype), torch.randn(5, generator=g, dtype=real),
-                torch.randn((), generator=g, dtype=dtype)]
+        # shapes as torch's class takes them (spec.param_shape: Muon matrices)
+        base = [torch.randn(spec.param_shape(s), generator=g, dtype=dt)
+                for s, dt in (((3, 4), dtype), ((5,), real), ((), dtype))]
+        if not all(spec.takes(tuple(p.shape), p.dtype) for p in base):  # torch refuses complex
+            gen = torch.Generator().manual_seed(1)
+            grads = [torch.randn(p.shape, generator=gen, dtype=p.dtype) for p in base]
+            _refused_like_torch(spec, kw, IMPLS[impl], mode, base, grads)
+            continue
         fp = [p.clone().requires_grad_() for p in base]
         tp = [p.clone().requires_grad_() for p in base]
-        opt = spec.cls(fp, **kw, **IMPLS[impl])
+        opt = spec.cls(fp, **kw, **spec.torch_flags(IMPLS[impl]))
         if mode == "scripted":
             funcopt.script(opt)
-        refs = [spec.torch_cls(tp, **kw, foreach=True)]
+        refs = [spec.torch_cls(tp, **kw, **spec.torch_flags(dict(foreach=True)))]
         gen = torch.Generator().manual_seed(1)
         for t in range(4):
             grads = [torch.randn(p.shape, generator=gen, dtype=p.dtype) for p in base]
@@ -237,11 +267,16 @@ def test_complex_matches_torch_for_loop_too(name):
     spec = REGISTRY[name]
     kw = COMPLEX_KW[name][0]
     g = torch.Generator().manual_seed(0)
-    base = torch.randn(6, generator=g, dtype=torch.complex128)
+    shape = spec.param_shape((6,))  # Muon: a matrix
+    base = torch.randn(shape, generator=g, dtype=torch.complex128)
+    if not spec.takes(shape, torch.complex128):  # torch refuses complex
+        grads = [torch.randn(shape, generator=g, dtype=torch.complex128)]
+        _refused_like_torch(spec, kw, dict(foreach=False), "eager", [base], grads)
+        return
     fp, tp = base.clone().requires_grad_(), base.clone().requires_grad_()
-    opt, ref = spec.cls([fp], **kw), spec.torch_cls([tp], **kw, foreach=False)
+    opt, ref = spec.cls([fp], **kw), spec.torch_cls([tp], **kw, **spec.torch_flags(dict(foreach=False)))
     for t in range(3):
-        gr = torch.randn(6, generator=g, dtype=torch.complex128)
+        gr = torch.randn(shape, generator=g, dtype=torch.complex128)
         opt.step([gr])
         tp.grad = gr
         ref.step()
