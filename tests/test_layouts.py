@@ -66,19 +66,50 @@ def _grads(layouts, names, step):
     return [layouts[n][1](g, step) for n in names]
 
 
+def _assert_refused_like_torch(spec, kw, param, grad):
+    """torch's class refuses this parameter (Muon: a conv weight or a 0-d
+    tensor): funcopt refuses it too, with an error of the same type, before
+    changing it."""
+    tp = param.detach().clone().requires_grad_()
+    with pytest.raises(Exception) as torch_err:
+        ref = spec.torch_cls([tp], **kw)
+        tp.grad = grad.clone()
+        ref.step()
+    fp = param.detach().clone().requires_grad_()
+    with pytest.raises(type(torch_err.value)):
+        spec.cls([fp], **kw).step([grad.clone()])
+    assert torch.equal(fp.detach(), param.detach()), "a refused parameter changed"
+
+
+def _taken(spec, layouts, names):
+    """The layouts whose parameter torch's class takes; each other one must be
+    refused by funcopt as by torch (checked here)."""
+    taken = []
+    for n in names:
+        g = torch.Generator().manual_seed(0)
+        p, gr = layouts[n][0](g), layouts[n][1](g, 0)
+        if spec.takes(tuple(p.shape), p.dtype):
+            taken.append(n)
+        else:
+            _assert_refused_like_torch(spec, KW[spec.name], p, gr)
+    return taken
+
+
 def _check(name, impl, mode, names, big):
     spec = REGISTRY[name]
     if impl == "fused" and "cpu" not in spec.fused_devices:
         pytest.skip(f"{name} has no fused CPU kernel in torch")
     layouts = _layouts(big)
+    names = _taken(spec, layouts, names)
+    assert names, f"{name}: torch's class takes none of the layouts"
     fparams = _build(layouts, names)
     tparams = _build(layouts, names)
     strides = [p.stride() for p in fparams]
     ptrs = [p.data_ptr() for p in fparams]
-    opt = spec.cls(fparams, **KW[name], **IMPLS[impl])
+    opt = spec.cls(fparams, **KW[name], **spec.torch_flags(IMPLS[impl]))
     if mode == "scripted":
         funcopt.script(opt)
-    ref = spec.torch_cls(tparams, **KW[name], foreach=True)
+    ref = spec.torch_cls(tparams, **KW[name], **spec.torch_flags(dict(foreach=True)))
     for t in range(STEPS):
         grads = _grads(layouts, names, t)
         opt.step(grads)
@@ -105,7 +136,9 @@ def test_every_layout_small(name, impl, mode):
 
 @pytest.mark.parametrize("mode", ["eager", "scripted"])
 @pytest.mark.parametrize("impl", ["auto", "foreach"])
-@pytest.mark.parametrize("name", list(REGISTRY))
+# elementwise rules only: a whole-parameter rule (Muon's Newton-Schulz on 1024 x 1024
+# matrices) costs minutes here and has no fused path to overrun; the small layouts cover it
+@pytest.mark.parametrize("name", [n for n, s in REGISTRY.items() if not s.whole_params])
 def test_every_layout_1m_elements(name, impl, mode):
     """~1M elements per tensor: the size at which the fused path read past
     the end of an expanded gradient (a segfault)."""
@@ -122,11 +155,14 @@ def test_layout_change_after_construction(name, mode):
     shape = (4, 3, 3, 3)
     g = torch.Generator().manual_seed(0)
     base = torch.randn(shape, generator=g)
+    if not spec.takes(shape):  # Muon: matrices only (channels_last needs 4-D)
+        _assert_refused_like_torch(spec, KW[name], base, torch.randn(shape, generator=g))
+        return
     fp, tp = base.clone().requires_grad_(), base.clone().requires_grad_()
     opt = spec.cls([fp], **KW[name])
     if mode == "scripted":
         funcopt.script(opt)
-    ref = spec.torch_cls([tp], **KW[name], foreach=True)
+    ref = spec.torch_cls([tp], **KW[name], **spec.torch_flags(dict(foreach=True)))
     for t in range(4):
         if t == 2:  # contiguous state, channels_last parameter and gradients from now on
             for p in (fp, tp):
@@ -143,13 +179,28 @@ def test_layout_change_after_construction(name, mode):
 
 @pytest.mark.parametrize("name", list(REGISTRY))
 def test_channels_last_state_follows_the_parameter(name):
-    """State is allocated like torch's (``preserve_format``) and the
-    parameter stays channels_last, on the default path."""
+    """State is allocated like torch's (``preserve_format``: parameter-shaped
+    slots are channels_last; others, such as Adafactor's factored row/column
+    state, have torch's strides) and the parameter stays channels_last, on the
+    default path."""
     spec = REGISTRY[name]
-    p = torch.randn(4, 3, 3, 3).to(memory_format=torch.channels_last).requires_grad_()
+    cl = torch.channels_last
+    base = torch.randn(4, 3, 3, 3).to(memory_format=cl)
+    grad = torch.randn(4, 3, 3, 3).to(memory_format=cl)
+    if not spec.takes(tuple(base.shape)):  # Muon: matrices only
+        _assert_refused_like_torch(spec, KW[name], base, grad)
+        return
+    p, tp = base.clone().requires_grad_(), base.clone().requires_grad_()
     opt = spec.cls([p], **KW[name])
-    opt.step([torch.randn(4, 3, 3, 3).to(memory_format=torch.channels_last)])
-    assert p.is_contiguous(memory_format=torch.channels_last)
+    opt.step([grad])
+    ref = spec.torch_cls([tp], **KW[name])
+    tp.grad = grad
+    ref.step()
+    assert p.is_contiguous(memory_format=cl)
+    torch_state = ref.state_dict()["state"][0]
     for k, v in opt.state_dict()["state"][0].items():
         if v.dim() == 4:
-            assert v.is_contiguous(memory_format=torch.channels_last), k
+            if spec.cls.slot_shape(k, p) == tuple(p.shape):
+                assert v.is_contiguous(memory_format=cl), k
+            else:
+                assert v.stride() == torch_state[k].stride(), (k, v.stride(), torch_state[k].stride())
