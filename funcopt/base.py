@@ -94,8 +94,10 @@ def _compile_kernel_class(cls: type) -> None:
     from ._compat import scripting_unavailable
 
     if scripting_unavailable() is None:
+        from .optimizers._core import ensure_interface
         from .script import quiet_jit
 
+        ensure_interface()
         with quiet_jit():
             torch.jit.script(cls())  # an instance: compiles the class with its module's globals
 
@@ -446,7 +448,10 @@ class Optimizer(torch.optim.Optimizer):
         converted *copy*, and writes to it would be lost.
         """
         if self._scripted:
+            from .optimizers._core import ensure_interface
             from .script import script_object
+
+            ensure_interface()
 
             if not isinstance(slots, torch.jit.RecursiveScriptClass):
                 self._make_core(slots, self.kernel_class())  # eager constructor work (Adagrad's initial state)

@@ -26,7 +26,8 @@ layers step -- does everything else, the same way for every algorithm:
   per-tensor formula with autograd on (eager only).
 
 TorchScript classes cannot inherit, so the core *holds* its kernel through a
-``torch.jit.interface``: one compiled core type serves every algorithm.
+``torch.jit.interface`` (made one on first scripting, :func:`ensure_interface`):
+one compiled core type serves every algorithm.
 """
 from typing import List, Optional
 
@@ -39,7 +40,6 @@ from ._common import bump, check_differentiable, found_inf_flag, real_views, ski
 from typing import Dict  # noqa: E402  (TorchScript resolves annotations by name)
 
 
-@torch.jit.interface
 class Kernel:
     """What one algorithm implements (a class with these methods, no base class).
 
@@ -85,6 +85,17 @@ class Kernel:
         autograd on; ``h["differentiable"]`` is 1.0).  Returns ``state``
         (new tensors where ``first`` created them)."""
         pass
+
+
+def ensure_interface() -> None:
+    """Make :class:`Kernel` a ``torch.jit.interface`` (once, quietly), right
+    before the first scripting: not at import time, where torch >= 2.14 would
+    print its TorchScript deprecation notice to every user of funcopt."""
+    if not getattr(Kernel, "__torch_script_interface__", False):
+        from ..script import quiet_jit
+
+        with quiet_jit():
+            torch.jit.interface(Kernel)
 
 
 class Core:
