@@ -33,8 +33,8 @@ def run(dist_tmp):
     return get
 
 
-@pytest.mark.parametrize("world", WORLDS)
-@pytest.mark.parametrize("name", [c["name"] for c in CASES])
+@pytest.mark.parametrize("world,name", [pytest.param(w, c["name"], id=f"{c['name']}-{w}")
+                                        for w in WORLDS for c in W.cases(w)])
 def test_ddp_step_hook_bitwise(run, world, name):
     spawned, results = run(world)
     for rank in range(world):
