@@ -54,6 +54,10 @@ from funcopt.distributed.launch import launch  # noqa: E402
 
 from _dist_harness import UserRMSprop, case_result  # noqa: E402
 
+# the algorithms whose torch class takes this file's parameters (vectors and
+# matrices); a matrices-only rule (Muon) runs in test_rpc_whole.py
+ALGOS = [n for n, s in registry.REGISTRY.items() if s.takes((3,))]
+
 ROOT = Path(__file__).resolve().parents[2]
 RPC_TIMEOUT = 20.0       # the agent's default timeout (every RPC not given its own)
 FAULT_TIMEOUT = 3.0      # DistributedOptimizer(rpc_timeout=...) in the fault cases
@@ -283,7 +287,7 @@ def _combo(name: str, which: str) -> Dict[str, Any]:
 def _parity_cases() -> List[tuple]:
     """(case name, algorithm, which combo, 'funcopt'|'torch')"""
     out = []
-    for name in registry.REGISTRY:
+    for name in ALGOS:
         out.append((f"parity:{name}:first:funcopt", name, "first", "funcopt"))
         out.append((f"parity:{name}:first:torch", name, "first", "torch"))
         out.append((f"parity:{name}:last:funcopt", name, "last", "funcopt"))
@@ -722,7 +726,7 @@ def _role_ps2(name: str, out_dir: str) -> None:
         return  # a parameter server only answers RPCs
     cases: List[tuple] = [(c, functools.partial(_case_parity, n, w, k)) for c, n, w, k in _parity_cases()]
     cases += [(c, functools.partial(_case_hyper, c)) for c in HYPER_CASES]
-    cases += [(f"state:{n}", functools.partial(_case_state, n)) for n in registry.REGISTRY]
+    cases += [(f"state:{n}", functools.partial(_case_state, n)) for n in ALGOS]
     cases += [("load-errors", _case_load_errors), ("lr-after-load", _case_lr_after_load),
               ("bad-args", _case_bad_args)]
     cases += _dropin_cases()
@@ -852,7 +856,7 @@ def _role_ps1(name: str, out_dir: str) -> None:
             res["final"] = rpc.rpc_sync("ps", _fetch, args=(rrefs,))
             _save(out_dir, name, res)
             try:
-                for alg in registry.REGISTRY:
+                for alg in ALGOS:
                     try:
                         res[f"rr:{alg}"] = _case_round_robin(alg)
                     except BaseException:
@@ -954,7 +958,9 @@ def test_matches_local_torch_optim(job, case, name, which, kind):
 
 def test_every_registry_algorithm_is_covered():
     names = {c[1] for c in _parity_cases()}
-    assert names == set(registry.REGISTRY)
+    # every algorithm: here, or (matrices-only rules) in test_rpc_whole.py
+    assert names == set(ALGOS)
+    assert set(registry.REGISTRY) - names <= {n for n, s in registry.REGISTRY.items() if s.whole_params}
     for name in names:
         assert {(c[2], c[3]) for c in _parity_cases() if c[1] == name} >= {("first", "funcopt"), ("first", "torch")}
 
@@ -993,7 +999,7 @@ def _split_torch_state(sd: Dict[str, Any]) -> Dict[str, Dict[str, Any]]:
 _IMPL_KEYS = ("foreach", "fused", "capturable", "differentiable")
 
 
-@pytest.mark.parametrize("name", list(registry.REGISTRY))
+@pytest.mark.parametrize("name", ALGOS)
 def test_state_dicts_torch_format_and_round_trip(job, name):
     got = _case(job("ps2"), f"state:{name}")
     kw = _combo(name, "last")
@@ -1172,7 +1178,7 @@ def test_concurrent_trainers_lose_no_update(job):
         assert lost == 0, f"tensor {i}: {lost} elements differ from initial - sum(gradients)"
 
 
-@pytest.mark.parametrize("name", list(registry.REGISTRY))
+@pytest.mark.parametrize("name", ALGOS)
 def test_three_trainers_in_turn_match_local_torch_optim(job, name):
     """3 trainers + 1 parameter server: each trainer has its own optimizer (its own
     state on ps) over the same parameters, and step k is taken by trainer k % 3
