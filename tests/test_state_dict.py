@@ -26,7 +26,8 @@ def torch_accepts(spec, name):
 def impl_supported(spec, impl):
     if impl == "fused":
         return torch_accepts(spec, "fused") and "cpu" in spec.fused_devices
-    return torch_accepts(spec, "foreach")
+    # foreach: also an algorithm torch implements one way only (Muon: no switch)
+    return torch_accepts(spec, "foreach") or not torch_accepts(spec, "fused")
 
 
 def flags(impl):
@@ -63,12 +64,12 @@ def need(spec, impl):
 
 
 def make_funcopt(spec, params, kw, impl, mode):
-    opt = spec.cls(params, **kw, **flags(impl))
+    opt = spec.cls(params, **kw, **spec.torch_flags(flags(impl)))
     return funcopt.script(opt) if mode == "scripted" else opt
 
 
 def make_torch(spec, params, kw, impl):
-    return spec.torch_cls(params, **kw, **flags(impl))
+    return spec.torch_cls(params, **kw, **spec.torch_flags(flags(impl)))
 
 
 def all_params(opt):
@@ -200,7 +201,7 @@ def test_state_dict_format(name, kw, impl, make_params, make_grads, clone_params
     extra = {}
     if impl is not None:
         need(spec, impl)
-        extra = flags(impl)
+        extra = spec.torch_flags(flags(impl))
     params = make_params()
     tparams = clone_params(params)
     fo = spec.cls(params, **kw, **extra)
