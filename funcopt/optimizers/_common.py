@@ -34,6 +34,24 @@ def bump(steps: List[Tensor], base: Optional[Tensor] = None) -> None:
         torch._foreach_add_(steps, 1.0)
 
 
+def grad_prelude(params: List[Tensor], grads: List[Tensor], maximize: bool, weight_decay: float,
+                 decoupled: bool = False, lr: float = 0.0) -> List[Tensor]:
+    """The gradient prelude of torch's foreach formulas: ``g = -g`` when
+    ``maximize``; weight decay coupled (``g += weight_decay * p``) or decoupled
+    (``p *= 1 - lr * weight_decay``).  Never writes into the caller's gradients
+    (in place only into the list ``maximize`` made); returns the gradients to use."""
+    if maximize:
+        grads = torch._foreach_neg(grads)
+    if weight_decay != 0:
+        if decoupled:
+            torch._foreach_mul_(params, 1 - lr * weight_decay)
+        elif maximize:
+            torch._foreach_add_(grads, params, alpha=weight_decay)
+        else:
+            grads = torch._foreach_add(grads, params, alpha=weight_decay)
+    return grads
+
+
 def skip_step(found_inf: Optional[Tensor]) -> bool:
     """foreach path only: the fused kernels check ``found_inf`` on device."""
     if found_inf is None:

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from ..base import Optimizer
-from ._common import step_tensor, zeros_like
+from ._common import grad_prelude, step_tensor, zeros_like
 
 
 def adadelta(
@@ -39,13 +39,7 @@ def adadelta(
     runs under ``torch.compile``."""
     if len(params) == 0:
         return
-    if maximize:
-        grads = torch._foreach_neg(grads)
-    if weight_decay != 0:
-        if maximize:
-            torch._foreach_add_(grads, params, alpha=weight_decay)
-        else:
-            grads = torch._foreach_add(grads, params, alpha=weight_decay)
+    grads = grad_prelude(params, grads, maximize, weight_decay)
     torch._foreach_mul_(square_avgs, rho)
     torch._foreach_addcmul_(square_avgs, grads, grads, 1 - rho)
     std = torch._foreach_add(square_avgs, eps)

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from ..base import Optimizer
-from ._common import full_like, scalars, step_tensor, step_values
+from ._common import grad_prelude, full_like, scalars, step_tensor, step_values
 
 
 def adagrad(
@@ -45,13 +45,7 @@ def adagrad(
                               weight_decay=weight_decay, eps=eps, maximize=maximize,
                               grad_scale=grad_scale, found_inf=found_inf)
         return
-    if maximize:
-        grads = torch._foreach_neg(grads)
-    if weight_decay != 0:
-        if maximize:
-            torch._foreach_add_(grads, params, alpha=weight_decay)
-        else:
-            grads = torch._foreach_add(grads, params, alpha=weight_decay)
+    grads = grad_prelude(params, grads, maximize, weight_decay)
     torch._foreach_addcmul_(state_sums, grads, grads, 1.0)
     std = torch._foreach_sqrt(state_sums)
     torch._foreach_add_(std, eps)

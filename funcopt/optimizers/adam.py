@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from ..base import Optimizer
-from ._common import scalars, step_tensor, step_values, zeros_like
+from ._common import grad_prelude, scalars, step_tensor, step_values, zeros_like
 
 
 def adam(
@@ -78,15 +78,7 @@ def adam(
                                lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps,
                                amsgrad=amsgrad, maximize=maximize, grad_scale=grad_scale, found_inf=found_inf)
         return
-    if maximize:
-        grads = torch._foreach_neg(grads)
-    if weight_decay != 0:
-        if decoupled:
-            torch._foreach_mul_(params, 1 - lr * weight_decay)
-        elif maximize:
-            torch._foreach_add_(grads, params, alpha=weight_decay)
-        else:
-            grads = torch._foreach_add(grads, params, alpha=weight_decay)
+    grads = grad_prelude(params, grads, maximize, weight_decay, decoupled, lr)
     torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
     torch._foreach_mul_(exp_avg_sqs, beta2)
     torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1 - beta2)

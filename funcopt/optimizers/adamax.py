@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from ..base import Optimizer
-from ._common import scalars, step_tensor, step_values, zeros_like
+from ._common import grad_prelude, scalars, step_tensor, step_values, zeros_like
 
 
 def adamax(
@@ -39,13 +39,7 @@ def adamax(
     ``torch.optim.Adamax(foreach=True)``)."""
     if len(params) == 0:
         return
-    if maximize:
-        grads = torch._foreach_neg(grads)
-    if weight_decay != 0:
-        if maximize:
-            torch._foreach_add_(grads, params, alpha=weight_decay)
-        else:
-            grads = torch._foreach_add(grads, params, alpha=weight_decay)
+    grads = grad_prelude(params, grads, maximize, weight_decay)
     torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
     torch._foreach_mul_(exp_infs, beta2)
     if not maximize and weight_decay == 0:

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from ..base import Optimizer
-from ._common import scalars, step_tensor, step_values, zeros_like
+from ._common import grad_prelude, scalars, step_tensor, step_values, zeros_like
 
 
 def nadam(
@@ -49,15 +49,7 @@ def nadam(
     (bitwise equal to ``torch.optim.NAdam(foreach=True)``)."""
     if len(params) == 0:
         return
-    if maximize:
-        grads = torch._foreach_neg(grads)
-    if weight_decay != 0:
-        if decoupled_weight_decay:
-            torch._foreach_mul_(params, 1 - lr * weight_decay)
-        elif maximize:
-            torch._foreach_add_(grads, params, alpha=weight_decay)
-        else:
-            grads = torch._foreach_add(grads, params, alpha=weight_decay)
+    grads = grad_prelude(params, grads, maximize, weight_decay, decoupled_weight_decay, lr)
     torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
     torch._foreach_mul_(exp_avg_sqs, beta2)
     torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1 - beta2)

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from ..base import Optimizer
-from ._common import step_tensor, zeros_like
+from ._common import grad_prelude, step_tensor, zeros_like
 
 
 def rmsprop(
@@ -45,13 +45,7 @@ def rmsprop(
     host, so the same code runs under ``torch.compile``."""
     if len(params) == 0:
         return
-    if maximize:
-        grads = torch._foreach_neg(grads)
-    if weight_decay != 0:
-        if maximize:
-            torch._foreach_add_(grads, params, alpha=weight_decay)
-        else:
-            grads = torch._foreach_add(grads, params, alpha=weight_decay)
+    grads = grad_prelude(params, grads, maximize, weight_decay)
     torch._foreach_mul_(square_avgs, alpha)
     torch._foreach_addcmul_(square_avgs, grads, grads, 1 - alpha)
     if centered:

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from ..base import Optimizer
+from ._common import grad_prelude
 
 
 def sgd(
@@ -52,13 +53,7 @@ def sgd(
                           lr=lr, dampening=dampening, nesterov=nesterov, maximize=maximize,
                           is_first_step=first_step, grad_scale=grad_scale, found_inf=found_inf)
         return
-    if maximize:
-        grads = torch._foreach_neg(grads)
-    if weight_decay != 0:
-        if maximize:
-            torch._foreach_add_(grads, params, alpha=weight_decay)
-        else:
-            grads = torch._foreach_add(grads, params, alpha=weight_decay)
+    grads = grad_prelude(params, grads, maximize, weight_decay)
     if momentum != 0:
         if first_step:
             torch._foreach_copy_(momentum_buffers, grads)
