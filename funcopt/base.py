@@ -73,8 +73,10 @@ def _flatten_hyper(group: Dict[str, Any], codes: Optional[Dict[str, Dict[Any, fl
             continue
         if codes and key in codes:
             table = codes[key]
-            if value in table:
-                out[key] = float(table[value])
+            if value not in table:  # a value the constructor let through but the kernel cannot run
+                raise ValueError(f"{key}={value!r} is not supported by funcopt (supported: "
+                                 f"{', '.join(repr(v) for v in table)})")
+            out[key] = float(table[value])
             continue
         if value is None:
             continue

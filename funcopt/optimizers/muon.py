@@ -11,7 +11,8 @@ Update rule for each 2-D parameter :math:`p` (``A x B``) with gradient :math:`g`
         X = a * X + (b * G + c * G @ G) @ X
     p *= 1 - lr * weight_decay
     p -= lr * ratio * X (transposed back)            # ratio by adjust_lr_fn:
-         # None / "original": sqrt(max(1, A / B)); "match_rms_adamw": 0.2 * sqrt(max(A, B))
+         # None / "original": sqrt(max(1, A / B)); "match_rms_adamw": 0.2 * sqrt(max(A, B));
+         # "spectral_unclamped" (torch >= 2.15): sqrt(A / B)
 
 torch has only a per-tensor implementation; this one is the same ops in the
 same order (bitwise equal), scriptable and compilable.  Parameters must be
@@ -33,7 +34,7 @@ NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 EPS = 1e-7
 NS_STEPS = 5
 # adjust_lr_fn -> the float the scripted core sees
-ADJUST_LR_CODES = {None: 0.0, "original": 1.0, "match_rms_adamw": 2.0}
+ADJUST_LR_CODES = {None: 0.0, "original": 1.0, "match_rms_adamw": 2.0, "spectral_unclamped": 3.0}
 
 
 def newton_schulz(grad: Tensor, a: float, b: float, c: float, ns_steps: int, eps: float) -> Tensor:
@@ -64,6 +65,8 @@ def adjusted_lr(lr: float, adjust_lr_fn: float, rows: int, cols: int) -> float:
         ratio = math.sqrt(max(1.0, rows / cols))
     elif adjust_lr_fn == 2.0:
         ratio = 0.2 * math.sqrt(float(max(rows, cols)))
+    elif adjust_lr_fn == 3.0:
+        ratio = math.sqrt(rows / cols)
     else:
         ratio = 1.0
     return lr * ratio
@@ -157,7 +160,8 @@ class Muon(Optimizer):
       eps: floor of the Frobenius norm the update is divided by (default ``1e-7``).
       ns_steps: Newton–Schulz iterations, fewer than 100 (default ``5``).
       adjust_lr_fn: ``None`` or ``"original"`` (``sqrt(max(1, A/B))``) or
-        ``"match_rms_adamw"`` (``0.2 * sqrt(max(A, B))``) (default ``None``).
+        ``"match_rms_adamw"`` (``0.2 * sqrt(max(A, B))``) or ``"spectral_unclamped"``
+        (``sqrt(A/B)``; accepted where the installed torch accepts it, 2.15 on) (default ``None``).
       impl: ``"auto"`` or ``"foreach"`` (both: the per-tensor formula; torch has no other).
 
     Example::
