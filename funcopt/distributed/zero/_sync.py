@@ -3,7 +3,9 @@
 Every parameter has a *home*: a contiguous 1-D tensor of its elements in
 logical order, what the local step and the sync work on.  After the local
 step, one broadcast per owner and bucket brings every rank's updated range to
-every rank.
+every rank: waited for at once (:meth:`ParamSync.sync`), or started
+(:meth:`ParamSync.start`) and waited for per parameter as the next forward
+reaches it (:meth:`ParamSync.wait_params`, from forward pre-hooks).
 """
 from __future__ import annotations
 
@@ -18,6 +20,23 @@ from .layout import Layout, Space, chunk_elems, chunks
 
 def _align(nbytes: int) -> int:
     return (nbytes + 15) // 16 * 16
+
+
+class _Flight:
+    """One broadcast in flight and, without bucket views, its unpack into the homes."""
+
+    __slots__ = ("work", "unpack", "done")
+
+    def __init__(self, work: Any, unpack: Optional[Tuple[List[Tensor], List[Tensor]]]):
+        self.work, self.unpack, self.done = work, unpack, False
+
+    def wait(self) -> None:
+        if self.done:
+            return
+        self.done = True  # first: a failed wait is not retried (the error is raised once)
+        self.work.wait()
+        if self.unpack is not None:
+            torch._foreach_copy_(*self.unpack)
 
 
 class ParamSync:
@@ -46,6 +65,9 @@ class ParamSync:
         self.bucket_view = bucket_view
         self.bucket_size_mb = bucket_size_mb
         self.buffers: Dict[str, Tensor] = {}
+        self.index = {id(p): i for i, p in enumerate(params)}
+        self._pending: Dict[int, List[_Flight]] = {}  # param -> its broadcasts in flight
+        self._copy_back: Dict[int, Tensor] = {}  # shadowed param -> the parameter, once its broadcasts end
         self._make_homes(params)
         self._plan()
 
@@ -103,6 +125,11 @@ class ParamSync:
         for i in self.shadowed_mine:
             self.homes[i].view(params[i].shape).copy_(params[i].detach())
 
+    @property
+    def pending(self) -> bool:
+        """Whether a started sync has parameters not waited for yet."""
+        return bool(self._pending) or bool(self._copy_back)
+
     def sync(self, params: List[Tensor], updated_in_place: bool) -> None:
         """Bring every owner's updated range to every rank.  Collective.
 
@@ -114,16 +141,52 @@ class ParamSync:
         back from their homes, except this rank's own when the local step
         ``updated_in_place`` (an eager class steps the parameter itself).
         """
+        self.start(params, updated_in_place)
+        self.wait_all()
+
+    def start(self, params: List[Tensor], updated_in_place: bool) -> None:
+        """:meth:`sync`, but return once the broadcasts are issued; each parameter is
+        current after :meth:`wait_params` (or :meth:`wait_all`) covers it.  Same
+        collectives in the same order as :meth:`sync`, same numbers.  Collective."""
+        self.wait_all()  # the previous sync's buffers are reused
         if self.world > 1:
             self._broadcast(params)
         mine = set(self.shadowed_mine) if updated_in_place else set()
         for i in self.shadowed:
             if i not in mine:
-                params[i].detach().copy_(self.homes[i].view(params[i].shape))
+                self._copy_back[i] = params[i]
+        for i in [i for i in self._copy_back if i not in self._pending]:
+            self._finish(i)
+
+    def wait_params(self, params: List[Tensor]) -> None:
+        """Wait for the broadcasts that write ``params`` (parameters this sync does not
+        hold are ignored)."""
+        for p in params:
+            i = self.index.get(id(p))
+            if i is not None and (i in self._pending or i in self._copy_back):
+                self._finish(i)
+
+    def wait_all(self) -> None:
+        """Wait for everything a started sync still has in flight."""
+        error: Optional[BaseException] = None
+        for i in list(self._pending) + list(self._copy_back):
+            try:
+                self._finish(i)
+            except BaseException as e:  # finish the others; raise the first error
+                error = error or e
+        if error is not None:
+            raise error
+
+    def _finish(self, i: int) -> None:
+        flights = self._pending.pop(i, ())
+        param = self._copy_back.pop(i, None)
+        for f in flights:
+            f.wait()
+        if param is not None:
+            param.detach().copy_(self.homes[i].view(param.shape))
 
     def _broadcast(self, params: List[Tensor]) -> None:
         group = self.process_group
-        works, unpack = [], []
         used = 0
         if not self.bucket_view and self._steps:
             need = sum(_align(n * torch.empty((), dtype=space.dtype).element_size()) for _, space, _, _, n, _ in self._steps)
@@ -131,25 +194,25 @@ class ParamSync:
                 self._buf = torch.empty(need, dtype=torch.uint8, device=params[0].device)
         for key, space, lo, r, n, pieces in self._steps:
             src = r if group is None else dist.get_global_rank(group, r)
+            unpack = None
             if self.bucket_view:
                 at = r * space.shard + lo
-                works.append(dist.broadcast(self.buffers[key][at: at + n], src=src, group=group, async_op=True))
-                continue
-            assert self._buf is not None
-            nbytes = n * torch.empty((), dtype=space.dtype).element_size()
-            buf = self._buf[used: used + nbytes].view(space.dtype)
-            used += _align(nbytes)
-            views = [self.homes[i][a: a + take] for i, a, take, _ in pieces]
-            slots = [buf[at: at + take] for _, _, take, at in pieces]
-            if r == self.rank:
-                torch._foreach_copy_(slots, views)
+                work = dist.broadcast(self.buffers[key][at: at + n], src=src, group=group, async_op=True)
             else:
-                unpack.append((views, slots))
-            works.append(dist.broadcast(buf, src=src, group=group, async_op=True))
-        for w in works:
-            w.wait()
-        for views, slots in unpack:
-            torch._foreach_copy_(views, slots)
+                assert self._buf is not None
+                nbytes = n * torch.empty((), dtype=space.dtype).element_size()
+                buf = self._buf[used: used + nbytes].view(space.dtype)
+                used += _align(nbytes)
+                views = [self.homes[i][a: a + take] for i, a, take, _ in pieces]
+                slots = [buf[at: at + take] for _, _, take, at in pieces]
+                if r == self.rank:
+                    torch._foreach_copy_(slots, views)
+                else:
+                    unpack = (views, slots)
+                work = dist.broadcast(buf, src=src, group=group, async_op=True)
+            flight = _Flight(work, unpack)
+            for i in {i for i, _, _, _ in pieces}:
+                self._pending.setdefault(i, []).append(flight)
 
 
 def _device(params: List[Tensor], space: Space) -> torch.device:

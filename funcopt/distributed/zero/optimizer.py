@@ -25,7 +25,7 @@ from torch.profiler import record_function
 from ... import registry
 from ... import state_format
 from .. import _comm, _local
-from . import _clip, checkpoint
+from . import _clip, checkpoint, forward_sync
 from ._grads import GradShards
 from ._sync import ParamSync
 from .overlap import ZeroOverlap
@@ -55,6 +55,12 @@ class _ZeroJoinHook(JoinHook):
 
     def main_hook(self) -> None:
         self.zero.step()
+
+
+def _call(ref: Any, method: str, *args: Any) -> None:
+    zero = ref()
+    if zero is not None:
+        getattr(zero, method)(*args)
 
 
 class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
@@ -162,6 +168,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
         self.overlap_with_ddp = overlap_with_ddp
         self._overlap: Optional[ZeroOverlap] = None
         self._overlap_ddp: Any = None
+        self._forward_syncs = 0  # sync_in_forward handles not removed: step() leaves the sync running
         self._optim_defaults = dict(defaults)
         # validates the hyperparameters with the class's own errors and fills its defaults
         if self.spec is not None:
@@ -231,6 +238,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
                 if p.layout != torch.strided:
                     raise ValueError(f"ZeroRedundancyOptimizer supports dense (strided) parameters only, got {p.layout}")
             pieces = self._gather_pieces() if carry_state else None
+            if getattr(self, "_sync", None) is not None:
+                self._sync.wait_all()
             self.layout: Layout = make_layout(
                 [p.numel() for p in params], [p.dtype for p in params],
                 [len(g["params"]) for g in self.param_groups], self.world_size, self.partition)
@@ -320,6 +329,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
             raise RuntimeError(
                 "ZeRO-2 with torch.amp.GradScaler: the scaler must reach ZeroRedundancyOptimizer.step as "
                 "grad_scaler= (a subclass overriding step() must accept and forward grad_scaler)")
+        self._sync.wait_all()  # a sync still running (sync_in_forward, a forward that raised)
         params = self._params()
         local = self._state.optim
         loss = None
@@ -341,8 +351,68 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
                     self._sync_groups(self.param_groups, local.param_groups)
                     local.step(grads, **kwargs)
         with record_function("funcopt::zero/sync_params"), torch.no_grad():
-            self._sync.sync(params, updated_in_place=self._eager)
+            if self._forward_syncs:  # waited for per module by the next forward
+                self._sync.start(params, updated_in_place=self._eager)
+            else:
+                self._sync.sync(params, updated_in_place=self._eager)
         return loss
+
+    # ------------------------------------------------------ sync in forward
+    def sync_in_forward(self, module: torch.nn.Module) -> Any:
+        """Let the parameter sync after :meth:`step` run behind the next forward.
+
+        ``step()`` then returns once its broadcasts are issued, and each
+        submodule of ``module`` holding parameters waits, in a forward
+        pre-hook, for just the broadcasts that write them (same collectives,
+        same numbers as the plain sync); so does each submodule's
+        ``state_dict()``.  ``step``, ``zero_grad``, the state and checkpoint
+        calls and :meth:`wait_sync` wait for all of it.  A forward reading
+        parameters of a submodule it does not call must call
+        :meth:`wait_sync` first.  Returns a handle; ``handle.remove()``
+        restores the plain sync.  Call it on every rank.
+
+        Example (each rank)::
+
+            zero = ZeroRedundancyOptimizer(ddp.parameters(), funcopt.AdamW, lr=1e-3)
+            zero.sync_in_forward(ddp)
+            for x, y in loader:
+                zero.zero_grad()
+                loss_fn(ddp(x), y).backward()
+                zero.step()          # returns before the parameters arrive
+        """
+        if self.overlap_with_ddp:
+            raise ValueError("sync_in_forward: with overlap_with_ddp=True the DDP hook already waits for "
+                             "each bucket's sync in the next forward")
+        held = {id(p) for p in self._params()}
+        if not any(id(p) in held for p in module.parameters()):
+            raise ValueError("sync_in_forward: the module holds none of this optimizer's parameters")
+        ref = weakref.ref(self)
+
+        def on_remove() -> None:
+            zero = ref()
+            if zero is not None:
+                zero._forward_syncs -= 1
+                zero.wait_sync()
+
+        handle = forward_sync.install(module, lambda own: _call(ref, "wait_params", own), on_remove)
+        self._forward_syncs += 1
+        return handle
+
+    def wait_params(self, params: List[Tensor]) -> None:
+        """Wait for the parts of a running parameter sync that write ``params`` (the
+        forward pre-hooks of :meth:`sync_in_forward` call this).  Local."""
+        if self._sync.pending:
+            with record_function("funcopt::zero/wait_sync"), torch.no_grad():
+                self._sync.wait_params(params)
+
+    def wait_sync(self) -> None:
+        """Wait for a parameter sync still running (:meth:`sync_in_forward`, or the
+        overlapped step of ``overlap_with_ddp``).  Local: each rank waits for its
+        own receives."""
+        if self._overlap is not None:
+            self._overlap.wait_all()
+        with torch.no_grad():
+            self._sync.wait_all()
 
     def _collect_grads(self, params: List[Tensor]) -> List[Optional[Tensor]]:
         """One gradient per local segment, shaped like its local tensor (contiguous)."""
@@ -385,8 +455,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As ``torch.optim.Optimizer.zero_grad``; ZeRO-2 also drops the gradient shards."""
-        if self._overlap is not None:
-            self._overlap.wait_all()  # nothing left pending (e.g. after a forward that raised)
+        self.wait_sync()  # nothing left pending (e.g. after a forward that raised)
         super().zero_grad(set_to_none)
         if self._grads is not None:
             self._grads.clear()
@@ -453,6 +522,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
         are flat ranges ``[start, start + length)`` of the flattened parameter's
         state (0-d tensors, such as ``step``, whole).  Local, no communication.
         """
+        self.wait_sync()
         return self._state.flat_pieces()
 
     def stage_shard_state(self, pieces: List[Tuple[int, int, int, Dict[str, Tensor]]],
@@ -468,6 +538,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
     def commit_shard_state(self, staged: Any) -> None:
         """Apply what :meth:`stage_shard_state` returned.  Local."""
         hyper, local = staged
+        self.wait_sync()
         for group, h in zip(self.param_groups, hyper):
             group.update(h)
         self._state.commit(local)
@@ -477,8 +548,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
 
     def consolidate_state_dict(self, to: int = 0) -> None:
         """Gather the full torch.optim-format state on rank ``to``, one shard at a time.  Collective."""
-        if self._overlap is not None:
-            self._overlap.wait_all()
+        self.wait_sync()
         with record_function("funcopt::zero/consolidate"):
             mine = self._state.pieces()
             if self.rank == to:
@@ -518,6 +588,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
         Every rank checks its part; if any rank finds a problem, every rank
         raises and nothing changes anywhere.
         """
+        self.wait_sync()
         error, staged = None, None
         try:
             staged = self._state.stage_full(state_dict, self.param_groups)
