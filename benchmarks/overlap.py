@@ -16,6 +16,13 @@ every peer, in rotating order), each round's time divided by that round's
 * ``f_z1``: DDP + funcopt ZeRO-1 (flat), ``step()`` after backward
 * ``f_z1_ov`` / ``f_z1_ov_il``: funcopt ZeRO-1 ``overlap_with_ddp=True`` with
   ``hook_with_zero_step`` / ``hook_with_zero_step_interleaved``
+* ``f_z1_fwd``: funcopt ZeRO-1, ``step()`` after backward, the parameter sync
+  behind the next forward (``sync_in_forward``)
+* ``f_z2`` / ``f_z2_fwd``: funcopt ZeRO-2, plain sync / ``sync_in_forward``
+
+Each round times ``--block`` consecutive iterations of a peer and then waits
+for whatever it left in flight (``wait_sync()``), so a sync cannot finish
+for free while the other peers run.
 
 Then, in this process, ``step_in_backward`` peak gradient bytes against plain
 backward on a 12-layer model of the same width.
@@ -42,7 +49,8 @@ import funcopt
 from funcopt.bench._zero_parts import build_model, make_batches, parse_size
 from funcopt.distributed.launch import launch
 
-PEERS = ["ddp_adam", "ddp_fadam", "ddp_hook", "torch_zero", "torch_zero_ov", "f_z1", "f_z1_ov", "f_z1_ov_il"]
+PEERS = ["ddp_adam", "ddp_fadam", "ddp_hook", "torch_zero", "torch_zero_ov", "f_z1", "f_z1_ov", "f_z1_ov_il",
+         "f_z1_fwd", "f_z2", "f_z2_fwd"]
 
 
 def make(key: str, base: torch.nn.Module, lr: float, torch_overlap: bool) -> Dict[str, Any]:
@@ -77,6 +85,11 @@ def make(key: str, base: torch.nn.Module, lr: float, torch_overlap: bool) -> Dic
         finally:
             ddp_zero_hook.dist.get_backend = real
         step = False
+    elif key in ("f_z1_fwd", "f_z2", "f_z2_fwd"):
+        opt = ZeroRedundancyOptimizer(model.parameters(), funcopt.Adam, zero_stage=1 if key == "f_z1_fwd" else 2,
+                                      lr=lr)
+        if key.endswith("_fwd"):
+            opt.sync_in_forward(ddp)
     else:
         opt = ZeroRedundancyOptimizer(model.parameters(), funcopt.Adam, overlap_with_ddp=key != "f_z1", lr=lr)
         if key != "f_z1":
@@ -86,19 +99,26 @@ def make(key: str, base: torch.nn.Module, lr: float, torch_overlap: bool) -> Dic
     return dict(key=key, model=model, ddp=ddp, opt=opt, step=step, skipped=0)
 
 
-def iteration(peer: Dict[str, Any], x: torch.Tensor, y: torch.Tensor) -> float:
-    before = next(peer["model"].parameters()).detach().clone() if peer["key"] == "torch_zero_ov" else None
+def iterations(peer: Dict[str, Any], x: torch.Tensor, y: torch.Tensor, block: int) -> float:
+    """Seconds per iteration over ``block`` consecutive iterations, then a wait
+    for anything left in flight."""
     t0 = time.perf_counter()
-    peer["opt"].zero_grad(set_to_none=True)
-    loss = torch.nn.functional.mse_loss(peer["ddp"](x), y)
-    loss.backward()
-    if peer["step"]:
-        peer["opt"].step()
-    t = time.perf_counter() - t0
-    if before is not None:
-        # torch's overlap syncs at the end of backward; an unchanged parameter: a skipped step
-        peer["skipped"] += int(torch.equal(before, next(peer["model"].parameters())))
-    return t
+    for _ in range(block):
+        before = next(peer["model"].parameters()).detach().clone() if peer["key"] == "torch_zero_ov" else None
+        if before is not None:
+            t0 -= time.perf_counter()
+        peer["opt"].zero_grad(set_to_none=True)
+        loss = torch.nn.functional.mse_loss(peer["ddp"](x), y)
+        loss.backward()
+        if peer["step"]:
+            peer["opt"].step()
+        if before is not None:
+            t0 += time.perf_counter()  # the skip check is not timed
+            # torch's overlap syncs at the end of backward; an unchanged parameter: a skipped step
+            peer["skipped"] += int(torch.equal(before, next(peer["model"].parameters())))
+    if hasattr(peer["opt"], "wait_sync"):
+        peer["opt"].wait_sync()
+    return (time.perf_counter() - t0) / block
 
 
 def rank_main(rank: int, world: int, args: argparse.Namespace) -> Dict[str, Any]:
@@ -111,7 +131,7 @@ def rank_main(rank: int, world: int, args: argparse.Namespace) -> Dict[str, Any]
         order = peers[r % len(peers):] + peers[:r % len(peers)]
         for p in order:
             dist.barrier()
-            t = iteration(p, x, y)
+            t = iterations(p, x, y, args.block)
             if r >= args.warmup:
                 times[p["key"]].append(t)
     skipped = {p["key"]: p["skipped"] for p in peers if p["key"] == "torch_zero_ov"}
@@ -150,6 +170,7 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=10, help="timed rounds (one iteration of every peer each)")
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--block", type=int, default=3, help="consecutive iterations of a peer per round")
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--peers", default=",".join(PEERS))
@@ -166,13 +187,14 @@ def main() -> int:
     ref = times["ddp_adam"]
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     print(f"W={args.world_size} gloo, {args.params / 1e6:.0f}M parameters (width {args.width}), batch {args.batch}/rank, "
-          f"{args.rounds} rounds after {args.warmup}, commit {commit}, torch {torch.__version__}, "
+          f"{args.rounds} rounds of {args.block} iterations after {args.warmup}, commit {commit}, torch {torch.__version__}, "
           f"{os.cpu_count()} cores")
     print(f"| peer | median s/iter | ratio to ddp_adam (median, min-max over rounds) |")
     print("|---|---|---|")
     for k, ts in times.items():
         ratios = [t / r for t, r in zip(ts, ref)]
-        note = f" (skipped {out['skipped'][k]} of {args.warmup + args.rounds} steps)" if k in out["skipped"] else ""
+        n = (args.warmup + args.rounds) * args.block
+        note = f" (skipped {out['skipped'][k]} of {n} steps)" if k in out["skipped"] else ""
         print(f"| {k}{note} | {statistics.median(ts):.3f} | {statistics.median(ratios):.2f} "
               f"({min(ratios):.2f}-{max(ratios):.2f}) |")
     mem = grad_memory(args.width)
