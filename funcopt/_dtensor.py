@@ -11,6 +11,17 @@ through DTensor).  A gradient laid out differently from its parameter (e.g.
 ``Partial`` after a tensor-parallel backward) is redistributed to the
 parameter's placements first, the only communication.
 
+A rule that needs each parameter whole (``whole_params``: Adafactor's
+row/column statistics, Muon's orthogonalization) gets the whole parameter
+(:class:`GatherView`): before each step every rank all-gathers the parameter
+and its gradient (``full_tensor()``), steps the full tensors through the same
+kernels (same numbers as a single process; state kept whole, replicated on
+every rank), and writes its own shard back.  It costs one all-gather of
+parameter and gradient per step and full-size state on every rank, the price
+of a rule no shard can compute alone (torch.optim runs these rules through
+DTensor dispatch instead: Muon rounds differently from a single process,
+Adafactor raises).
+
 The state the kernels hold is local too; ``opt.state`` and ``state_dict()``
 show it as DTensors laid out like the parameter (torch.optim's format, what
 ``torch.distributed.checkpoint`` saves shard by shard), and a loaded entry --
@@ -31,9 +42,10 @@ import torch
 from torch import Tensor
 
 try:  # torch.distributed may be built without DTensor
-    from torch.distributed.tensor import DTensor, distribute_tensor
+    from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 except ImportError:  # pragma: no cover - such a torch has no DTensor parameters either
     DTensor = None  # type: ignore[assignment,misc]
+    Replicate = None  # type: ignore[assignment,misc]
     distribute_tensor = None  # type: ignore[assignment]
 
 
@@ -59,6 +71,10 @@ class LocalView:
     """
 
     __slots__ = ("params", "step_params", "index", "pos")
+    whole = False
+
+    def after_step(self) -> None:
+        """Nothing: the core stepped the shards themselves."""
 
     def __init__(self, params: Sequence[Tensor]) -> None:
         self.params = list(params)
@@ -120,6 +136,65 @@ class LocalView:
         return self.step_params[i], out
 
 
+class GatherView(LocalView):
+    """For a rule that needs each parameter whole: the core steps a full copy of each
+    DTensor parameter (``step_params``), refreshed from the shards before every step
+    (:meth:`grads`, collective) and cut back into this rank's shard after it
+    (:meth:`after_step`, local).  Its state is whole, shown as a ``Replicate()``
+    DTensor where it has the parameter's shape."""
+
+    whole = True
+
+    def __init__(self, params: Sequence[Tensor]) -> None:
+        super().__init__(params)
+        for i in self.index:
+            with torch.no_grad():
+                self.step_params[i] = self.params[i].full_tensor()  # collective, in parameter order
+
+    def stale(self) -> bool:
+        return False  # the shards are read and written afresh at every step
+
+    def grads(self, grads: List[Any]) -> List[Any]:
+        """Refresh the full parameters; each DTensor gradient whole.  Collective: every
+        rank all-gathers the same parameters and gradients in the same order."""
+        out = list(grads)
+        with torch.no_grad():
+            for i in self.index:
+                self.step_params[i].copy_(self.params[i].full_tensor())
+                if i < len(out) and out[i] is not None and is_dtensor(out[i]):
+                    out[i] = out[i].full_tensor()
+        return out
+
+    def after_step(self) -> None:
+        """This rank's shard of each stepped full parameter back into the DTensor (no communication)."""
+        with torch.no_grad():
+            for i in self.index:
+                p = self.params[i]
+                cut = distribute_tensor(self.step_params[i], p.device_mesh, p.placements, src_data_rank=None)
+                local(p).copy_(cut.to_local())
+
+    def wrap(self, i: int, name: str, value: Tensor, cache: Dict[int, Tuple[Tensor, Tensor]]) -> Tensor:
+        p = self.params[i]
+        if not is_dtensor(p) or name == "step" or value.shape != p.shape:
+            return value
+        hit = cache.get(id(value))
+        if hit is not None and hit[0] is value:
+            return hit[1]
+        wrapped = DTensor.from_local(value, p.device_mesh, [Replicate()] * p.device_mesh.ndim, run_check=False)
+        cache[id(value)] = (value, wrapped)
+        return wrapped
+
+    def unwrap_entry(self, p: Tensor, entry: Dict[str, Any]) -> Tuple[Tensor, Dict[str, Any]]:
+        i = self.pos.get(id(p))
+        if i is None or not isinstance(entry, dict):
+            return p, entry
+        out: Dict[str, Any] = {}
+        with torch.no_grad():
+            for name, v in entry.items():
+                out[name] = v.full_tensor() if isinstance(v, Tensor) and is_dtensor(v) else v
+        return self.step_params[i], out
+
+
 def to_shard(v: Tensor, p: Tensor) -> Tensor:
     """This rank's piece of ``v`` laid out like DTensor ``p``: a DTensor is
     redistributed (a collective only when its layout differs), a plain tensor
@@ -137,19 +212,12 @@ def to_shard(v: Tensor, p: Tensor) -> Tensor:
 
 
 def view_for(params: Sequence[Tensor], owner: str, whole_params: bool, differentiable: bool) -> Optional[LocalView]:
-    """A :class:`LocalView` when ``params`` hold DTensors; ``None`` for plain tensors, or
-    for ``differentiable=True`` groups (stepped through DTensor dispatch, as torch.optim
-    does).  A rule that needs each parameter whole (``whole_params``: Adafactor's
-    row/column statistics, Muon's orthogonalization) is refused on DTensor parameters,
-    before anything changes: a shard is not the whole parameter, and the global
-    reductions it would need are not implemented yet."""
+    """A :class:`LocalView` when ``params`` hold DTensors (a :class:`GatherView` for a
+    rule that needs each parameter whole, ``whole_params``: collective, call on every
+    rank); ``None`` for plain tensors, or for ``differentiable=True`` groups (stepped
+    through DTensor dispatch, as torch.optim does)."""
     if DTensor is None or not any(is_dtensor(p) for p in params):
         return None
-    if whole_params:
-        raise NotImplementedError(
-            f"{owner}: DTensor parameters (FSDP2 fully_shard, tensor parallel) are not supported: {owner}'s "
-            "update needs each parameter whole and each rank holds a shard; use an elementwise rule "
-            "(Adam, AdamW, SGD, ...) or step the full parameters")
     if differentiable:
         return None
-    return LocalView(params)
+    return GatherView(params) if whole_params else LocalView(params)

@@ -728,6 +728,8 @@ class Optimizer(torch.optim.Optimizer):
                 raise RuntimeError(message)
         try:
             self._core.step(grads, grad_scale, found_inf)
+            if self._dt is not None:
+                self._dt.after_step()  # a whole-parameter rule: this rank's shard of the stepped copy
         except torch.jit.Error as e:  # scripted core: our own errors, as eager raises them
             m = _JIT_MSG.search(str(e))
             if m:

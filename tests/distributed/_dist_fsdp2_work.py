@@ -104,13 +104,6 @@ def run_zero(case: Dict[str, Any]) -> Dict[str, Any]:
 def run_case(case: Dict[str, Any], ckpt: str) -> Dict[str, Any]:
     if case["mode"] == "zero":
         return run_zero(case)
-    if case["mode"] == "fsdp2" and REGISTRY[case["algo"]].whole_params:
-        # refused at construction with a clear error (funcopt/_dtensor.py), nothing stepped
-        try:
-            build(case)
-        except NotImplementedError as e:
-            return dict(refused=str(e))
-        return dict(refused=None)
     model, wrapped, opt = build(case)
     train(model, wrapped, opt, range(0, SAVE))
     msd, osd = get_state_dict(wrapped, opt)
