@@ -29,6 +29,12 @@ backward on a 12-layer model of the same width.
 
     python benchmarks/overlap.py                  # W=2, 16M parameters
     python benchmarks/overlap.py --params 4M --rounds 8 --torch-overlap
+    python benchmarks/overlap.py --profile runs/overlap --profile-peers ddp_adam,f_z1_ov,f_z1_fwd
+
+``--profile DIR``: after the timed rounds, each rank profiles ``--block``
+iterations of every peer in ``--profile-peers`` (torch.profiler, TensorBoard
+traces in ``DIR``, view with ``tensorboard --logdir DIR``, torch-tb-profiler)
+and rank 0 prints, per peer, the CPU time in its main phases.
 """
 from __future__ import annotations
 
@@ -135,7 +141,38 @@ def rank_main(rank: int, world: int, args: argparse.Namespace) -> Dict[str, Any]
             if r >= args.warmup:
                 times[p["key"]].append(t)
     skipped = {p["key"]: p["skipped"] for p in peers if p["key"] == "torch_zero_ov"}
-    return dict(times=times, skipped=skipped)
+    phases: Dict[str, Dict[str, float]] = {}
+    if args.profile:
+        x, y = batches[-1]
+        for p in peers:
+            if p["key"] in args.profile_peers:
+                dist.barrier()
+                phases[p["key"]] = profile_peer(p, x, y, args.block, args.profile, rank)
+    return dict(times=times, skipped=skipped, phases=phases)
+
+
+PHASES = ("DistributedDataParallel.forward", "autograd::engine::evaluate_function", "Optimizer.step",
+          "funcopt::", "gloo:", "aten::_fused_adam_", "aten::_foreach_", "ProfilerStep")
+
+
+def profile_peer(peer: Dict[str, Any], x: torch.Tensor, y: torch.Tensor, block: int, out: str,
+                 rank: int) -> Dict[str, float]:
+    """``block`` iterations under torch.profiler: a TensorBoard trace in ``out`` and the
+    CPU milliseconds per iteration of the events whose names start with a PHASES entry."""
+    from torch.profiler import ProfilerActivity, profile, tensorboard_trace_handler
+
+    from funcopt.bench._report import quiet_profiler
+
+    handler = tensorboard_trace_handler(out, worker_name=f"{peer['key']}-rank{rank}")
+    with quiet_profiler(), profile(activities=[ProfilerActivity.CPU], on_trace_ready=handler) as prof:
+        iterations(peer, x, y, block)
+    totals: Dict[str, float] = {}
+    for ev in prof.key_averages():
+        for ph in PHASES:
+            if ev.key.startswith(ph):
+                name = ev.key if ph.endswith(("::", ":", "_")) else ph
+                totals[name] = totals.get(name, 0.0) + ev.cpu_time_total / 1e3 / block
+    return totals
 
 
 def grad_memory(width: int, layers: int = 12) -> Dict[str, int]:
@@ -175,9 +212,12 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--peers", default=",".join(PEERS))
     ap.add_argument("--torch-overlap", action="store_true", help="measure torch's overlap_with_ddp on gloo")
+    ap.add_argument("--profile", default=None, metavar="DIR", help="TensorBoard traces of --profile-peers into DIR")
+    ap.add_argument("--profile-peers", default="ddp_adam,ddp_hook,f_z1,f_z1_ov,f_z1_fwd")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     args.peers = args.peers.split(",")
+    args.profile_peers = args.profile_peers.split(",")
     res = launch(rank_main, args.world_size, args, timeout=300, deadline=1800)
     if not res.ok:
         print(res.error_line(), *res.errors.values(), sep="\n", file=sys.stderr)
@@ -201,6 +241,12 @@ def main() -> int:
     print(f"step_in_backward, 12 x Linear({args.width}), bucket = one layer: peak gradient bytes "
           f"{mem['in_backward'] / 2 ** 20:.1f} MiB vs plain backward {mem['plain'] / 2 ** 20:.1f} MiB "
           f"({mem['in_backward'] / mem['plain']:.3f}x)")
+    for key, totals in out.get("phases", {}).items():
+        top = sorted(totals.items(), key=lambda kv: -kv[1])[:8]
+        print(f"profile {key} (rank 0, CPU ms/iteration, nested ranges overlap): "
+              + ", ".join(f"{k} {v:.1f}" for k, v in top))
+    if args.profile:
+        print(f"traces: {args.profile} (tensorboard --logdir {args.profile})")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(times=times, skipped=out["skipped"], grad_memory=mem, args=vars(args)), f)
