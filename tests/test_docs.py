@@ -166,12 +166,18 @@ _SNIPPET_PAGES = ("migration.md", "limits.md", "distributed.md", "../README.md")
 # import instead of one per snippet); each snippet is a file run as __main__.
 # A "run" snippet that fails ends the process at once (exit 1), so the test
 # can stop the other ranks instead of letting them wait in a collective.
+# Each snippet's globals are kept to the end and the process ends with
+# os._exit: dropping them ran C++ destructors (a DDP model, its gloo group)
+# after the snippet's destroy_process_group, and one such destructor hung
+# rank 0 for good once in a loaded full run (faulthandler: no Python frame
+# below the run_path line); users' scripts end there, at interpreter exit.
 _DRIVER = """
 import json, os, runpy, sys, traceback
 import faulthandler, time
 jobs, out, meet = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3]
 world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
 results = []
+kept = []
 def save():
     with open(out, "w") as f:
         json.dump(results, f)
@@ -195,7 +201,7 @@ for i, (path, kind, port) in enumerate(jobs):
     # a snippet stuck for minutes prints every thread's stack into this rank's log
     faulthandler.dump_traceback_later(240, exit=False)
     try:
-        runpy.run_path(path, run_name="__main__")
+        kept.append(runpy.run_path(path, run_name="__main__"))
         results.append({"ok": True})
     except BaseException as e:
         text = str(e).splitlines()[0] if str(e) else ""
@@ -203,10 +209,13 @@ for i, (path, kind, port) in enumerate(jobs):
                         "traceback": traceback.format_exc()})
         if kind != "raises":
             save()
-            sys.exit(1)
+            sys.stdout.flush(); sys.stderr.flush()
+            os._exit(1)
     faulthandler.cancel_dump_traceback_later()
     print("snippet done:", path, flush=True)
 save()
+sys.stdout.flush(); sys.stderr.flush()
+os._exit(0)
 """
 
 
