@@ -16,6 +16,7 @@ partition-cut tail differently, see _dist_zero_overlap_work).
 from __future__ import annotations
 
 import copy
+import os
 from typing import Any, Dict, List
 
 import torch
@@ -101,8 +102,11 @@ def run_case(case: Dict[str, Any]) -> Dict[str, Any]:
     return out
 
 
-def cases() -> List[Dict[str, Any]]:
-    out = [dict(kind="plain", algo=name, name=f"fwd-{name}") for name in REGISTRY]
+def cases(world: int = 2) -> List[Dict[str, Any]]:
+    """Every algorithm at W=2 (FUNCOPT_FULL_GRID=1: at every world size), the
+    special cases at every world size."""
+    full = world == 2 or os.environ.get("FUNCOPT_FULL_GRID") == "1"
+    out = [dict(kind="plain", algo=name, name=f"fwd-{name}") for name in REGISTRY if full or name == "Adam"]
     out += [dict(kind="plain", algo="Adam", stage=2, name="fwd-zero2"),
             dict(kind="plain", algo="SGD", view=True, name="fwd-bucket-view"),
             dict(kind="plain", algo="Adam", stage=2, view=True, bucket_mb=1, name="fwd-zero2-view"),
@@ -114,4 +118,4 @@ def cases() -> List[Dict[str, Any]]:
 
 
 def work(rank: int, world: int, out_dir: str) -> None:
-    run_cases(rank, out_dir, cases(), run_case, name="fwd")
+    run_cases(rank, out_dir, cases(world), run_case, name="fwd")

@@ -1,7 +1,9 @@
 """ZeRO-1/2 without DDP hooks: the parameter sync after ``step()`` runs behind
 the next forward (``ZeroRedundancyOptimizer.sync_in_forward``), bitwise equal
 to the plain sync.  One spawn per world size (1, 2, 4 gloo ranks) runs every
-case of ``_dist_zero_forward_sync_work`` inside the ranks."""
+case of ``_dist_zero_forward_sync_work`` inside the ranks: every algorithm at W=2,
+the special cases (ZeRO-2, bucket views, strided, add_param_group, a raising
+forward, state_dict) at W=1, 2, 4 (``FUNCOPT_FULL_GRID=1``: everything everywhere)."""
 from __future__ import annotations
 
 import pytest
@@ -28,8 +30,8 @@ def run(dist_tmp):
     return get
 
 
-@pytest.mark.parametrize("world", [1, 2, 4])
-@pytest.mark.parametrize("name", [c["name"] for c in W.cases()])
+@pytest.mark.parametrize("world,name", [pytest.param(w, c["name"], id=f"{c['name']}-{w}")
+                                        for w in (1, 2, 4) for c in W.cases(w)])
 def test_sync_in_forward_bitwise(run, world, name):
     spawned, results = run(world)
     for rank in range(world):
