@@ -25,13 +25,14 @@ import funcopt
 from funcopt.registry import REGISTRY
 
 SAVE, TOTAL = 2, 4
-MODES = ("fsdp2", "ddp", "zero")
+MODES = ("fsdp2", "ddp", "zero", "zero-dcp")
 
 
 def cases() -> List[Dict[str, Any]]:
     """FSDP2 eager and scripted; DDP eager (a scripted step sees plain tensors there, as in
     the single-process tests); funcopt's ZeRO-1 (scripted by construction) stepped with
-    ``step(closure)`` and ``step(closure=...)``."""
+    ``step(closure)`` and ``step(closure=...)``, and checkpointed through DCP like the
+    others (``zero-dcp``: ``get_state_dict`` gathers its shards on every rank)."""
     return [dict(name=f"{mode}-{name}-{'scripted' if s else 'eager'}", mode=mode, algo=name, scripted=s)
             for mode in MODES for name in REGISTRY for s in ((False, True) if mode == "fsdp2" else (False,))]
 
@@ -56,7 +57,7 @@ def build(case: Dict[str, Any]):
 
         wrapped = DDP(model)
     spec = REGISTRY[case["algo"]]
-    if case["mode"] == "zero":
+    if case["mode"] in ("zero", "zero-dcp"):
         from funcopt.distributed.zero import ZeroRedundancyOptimizer
 
         return model, wrapped, ZeroRedundancyOptimizer(trainable(spec, wrapped.parameters()), spec.cls, **spec.rich)

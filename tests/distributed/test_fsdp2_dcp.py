@@ -1,7 +1,8 @@
 """FSDP2 (``fully_shard``) and DDP with every registry algorithm, eager and scripted, on 2
 gloo CPU ranks, checkpointed with torch.distributed.checkpoint (``get_state_dict`` /
 ``dcp.save`` / ``dcp.load`` / ``set_state_dict``); funcopt's ZeRO-1 stepped with
-``step(closure)`` by position and by keyword, returning the closure's loss.
+``step(closure)`` by position and by keyword, returning the closure's loss, and
+checkpointed through the same DCP calls (``zero-dcp``).
 
 The oracle is one single-process ``torch.optim`` run of the class of the same name on
 the full batch: FSDP2 parameters (``full_tensor()``) and the full optimizer state

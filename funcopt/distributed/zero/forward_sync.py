@@ -32,11 +32,16 @@ class ForwardSyncHandle:
         self._on_remove()
 
 
-def install(module: torch.nn.Module, wait_params: Callable[[List[Tensor]], None],
+def install(module: torch.nn.Module, held: List[Tensor], wait_params: Callable[[List[Tensor]], None],
             on_remove: Callable[[], None]) -> ForwardSyncHandle:
     """A forward pre-hook and a state_dict pre-hook per submodule of ``module``
     that holds parameters, each calling ``wait_params(its own parameters)``;
-    ``on_remove`` runs once the handle removed them."""
+    ``on_remove`` runs once the handle removed them.  ``held``: the optimizer's
+    parameters; a module holding none of them is refused (ValueError)."""
+    ids = {id(p) for p in held}
+    if not any(id(p) in ids for p in module.parameters()):
+        raise ValueError("sync_in_forward: the module holds none of this optimizer's parameters")
+
     def waiter(own: List[Tensor]) -> Callable[..., None]:
         def pre_hook(*args: Any, **kwargs: Any) -> None:
             wait_params(own)

@@ -169,6 +169,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
         self._overlap: Optional[ZeroOverlap] = None
         self._overlap_ddp: Any = None
         self._forward_syncs = 0  # sync_in_forward handles not removed: step() leaves the sync running
+        self._has_state = False  # a step or a load happened (the same on every rank)
         self._optim_defaults = dict(defaults)
         # validates the hyperparameters with the class's own errors and fills its defaults
         if self.spec is not None:
@@ -179,6 +180,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
         self._state: Optional[ShardState] = None
         self._grads: Optional[GradShards] = None
         self._all_state_dicts: Optional[Dict[str, Any]] = None
+        self._consolidated = False  # consolidate_state_dict ran since the last step (every rank)
         torch.optim.Optimizer.__init__(self, params, dict(probe.defaults))
         Joinable.__init__(self)
         # torch.amp.GradScaler hands itself to step() (grad_scaler=) when this is set: ZeRO-2
@@ -257,6 +259,14 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
                 self._grads = GradShards(params, self.layout, self.rank, self.process_group, self.bucket_size_mb)
             if self._overlap_ddp is not None:
                 self._build_overlap()
+            self._show_state()
+
+    def _show_state(self, has_state: bool = False) -> None:
+        """``self.state`` once stepped or loaded (on every rank alike: torch's DCP helpers
+        step an optimizer whose ``state`` is empty, collectively); see ``ShardState.view``."""
+        self._has_state = self._has_state or has_state
+        if self._has_state:
+            self.state = self._state.view(self._params())
 
     # ------------------------------------------------------------- overlap
     def _attach_overlap(self, ddp: Any) -> None:
@@ -321,6 +331,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
                                    "the step then runs inside backward")
             # as torch's: the step already ran inside backward; step() only finishes the syncs
             self._overlap.wait_all()
+            self._show_state(has_state=True)
             return closure() if closure is not None else None
         Join.notify_join_context(self)
         if grad_scaler is not None and self.zero_stage != 2:
@@ -330,6 +341,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
                 "ZeRO-2 with torch.amp.GradScaler: the scaler must reach ZeroRedundancyOptimizer.step as "
                 "grad_scaler= (a subclass overriding step() must accept and forward grad_scaler)")
         self._sync.wait_all()  # a sync still running (sync_in_forward, a forward that raised)
+        self._consolidated, self._all_state_dicts = False, None  # a consolidated state is of the past now
         params = self._params()
         local = self._state.optim
         loss = None
@@ -355,6 +367,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
                 self._sync.start(params, updated_in_place=self._eager)
             else:
                 self._sync.sync(params, updated_in_place=self._eager)
+        self._show_state(has_state=True)
         return loss
 
     # ------------------------------------------------------ sync in forward
@@ -383,9 +396,6 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
         if self.overlap_with_ddp:
             raise ValueError("sync_in_forward: with overlap_with_ddp=True the DDP hook already waits for "
                              "each bucket's sync in the next forward")
-        held = {id(p) for p in self._params()}
-        if not any(id(p) in held for p in module.parameters()):
-            raise ValueError("sync_in_forward: the module holds none of this optimizer's parameters")
         ref = weakref.ref(self)
 
         def on_remove() -> None:
@@ -394,7 +404,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
                 zero._forward_syncs -= 1
                 zero.wait_sync()
 
-        handle = forward_sync.install(module, lambda own: _call(ref, "wait_params", own), on_remove)
+        handle = forward_sync.install(module, self._params(), lambda own: _call(ref, "wait_params", own), on_remove)
         self._forward_syncs += 1
         return handle
 
@@ -542,6 +552,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
         for group, h in zip(self.param_groups, hyper):
             group.update(h)
         self._state.commit(local)
+        self._show_state(has_state=True)
 
     def _gather_pieces(self) -> List[Piece]:
         return [piece for part in _comm.all_gather_object(self._state.pieces(), self.process_group) for piece in part]
@@ -560,6 +571,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
             else:
                 _comm.send_object(mine, to, self.process_group)
                 self._all_state_dicts = None
+        self._consolidated = True
 
     def save_sharded(self, path: str) -> None:
         """Each rank writes its own shard under directory ``path``.  Collective.
@@ -574,12 +586,25 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
         checkpoint.load_sharded(self, path)
 
     def state_dict(self) -> Dict[str, Any]:
-        """The consolidated state (torch.optim format) on the rank it was consolidated to."""
-        if self._all_state_dicts is None:
+        """The whole state in the torch.optim format.
+
+        After :meth:`consolidate_state_dict` (and before the next step): the
+        consolidated state on the rank it went to; other ranks raise, as torch's.
+        Otherwise (torch's ZeRO raises) it is collective: every rank gathers every
+        shard and returns the whole state, so ``torch.distributed.checkpoint``'s
+        ``get_state_dict`` / ``dcp.save`` (which call it on every rank and write
+        replicated values once), ``set_state_dict`` and :meth:`load_state_dict` work.
+        That holds the whole state on every rank for the moment; for large models
+        :meth:`save_sharded` / :meth:`load_sharded` move each rank's shard only."""
+        if self._consolidated and self._all_state_dicts is None:
             raise RuntimeError(
                 f"Optimizer state has not been consolidated on this rank. Please call "
                 f"`consolidate_state_dict(to={self.rank})` on all ranks beforehand if you meant to save the global state."
             )
+        if self._all_state_dicts is None:
+            self.wait_sync()
+            with record_function("funcopt::zero/gather_state_dict"):
+                return self._state.full_state(self._gather_pieces(), self.param_groups)
         return self._all_state_dicts
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
@@ -602,3 +627,4 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
                 if k not in _NOT_HYPER:
                     group[k] = v
         self._state.commit(local_staged)
+        self._show_state(has_state=True)

@@ -6,6 +6,8 @@ sharded checkpoints all read and write the state through :class:`ShardState`.
 """
 from __future__ import annotations
 
+import collections
+
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -66,6 +68,18 @@ class ShardState:
             groups[gid[s.param]]["params"].append(t)
         self.local_gid = [gid[s.param] for s in self.segments]
         self.optim = make_optimizer(groups)
+
+    def view(self, params: List[Tensor]) -> Dict[Any, Dict[str, Any]]:
+        """What ZeRO shows as ``state``: every parameter, with the local optimizer's
+        entry where this rank owns it whole and ``{}`` elsewhere."""
+        out: Dict[Any, Dict[str, Any]] = collections.defaultdict(dict)
+        for p in params:
+            out[p] = {}
+        local = self.optim.state
+        for s, t in zip(self.segments, self.tensors):
+            if t is params[s.param] and t in local:
+                out[t] = local[t]
+        return out
 
     # ------------------------------------------------------------ pieces
     def pieces(self) -> List[Piece]:
@@ -144,8 +158,12 @@ class ShardState:
             if self.eager:  # the class's own state: whole parameters, kept as they are
                 pieces.append((i, 0, numel, dict(entry)))
                 continue
+            # a range of the parameter is cut from parameter-shaped tensors only; a segment
+            # holding the whole parameter is checked by the local optimizer (slot shapes:
+            # Adafactor's factored rows and columns)
+            cut = any(s.param == i and not _pieces.is_whole(s.start, s.length, numel) for s in self.segments)
             for name, t in entry.items():
-                if isinstance(t, Tensor) and t.dim() > 0 and tuple(t.shape) != shape:
+                if cut and isinstance(t, Tensor) and t.dim() > 0 and tuple(t.shape) != shape:
                     raise ValueError(f"'{name}' of parameter {sid!r} has shape {tuple(t.shape)}, parameter has {shape}")
             pieces.append((i, 0, numel, {n: (t if isinstance(t, Tensor) else torch.tensor(float(t))) for n, t in entry.items()}))
         return groups, self.stage(pieces, [hyperparameters(g) for g in groups])
