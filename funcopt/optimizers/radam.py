@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from ..base import Optimizer
-from ._common import scalars, step_tensor, step_values, zeros_like
+from ._common import grad_prelude, scalars, step_tensor, step_values, zeros_like
 
 
 def radam(
@@ -46,8 +46,8 @@ def radam(
     (bitwise equal to ``torch.optim.RAdam(foreach=True)``)."""
     if len(params) == 0:
         return
-    if maximize:
-        grads = torch._foreach_neg(grads)
+    # torch negates, reads the steps, then decays; the step reads touch neither list
+    grads = grad_prelude(params, grads, maximize, weight_decay, decoupled_weight_decay, lr)
     rho_inf = 2 / (1 - beta2) - 1
     compiling = torch.compiler.is_compiling()
     t: List[float] = []
@@ -55,13 +55,6 @@ def radam(
     if not compiling:
         t = step_values(steps)
         rho_t_list = [rho_inf - 2 * s * (beta2**s) / (1 - beta2**s) for s in t]
-    if weight_decay != 0:
-        if decoupled_weight_decay:
-            torch._foreach_mul_(params, 1 - lr * weight_decay)
-        elif maximize:
-            torch._foreach_add_(grads, params, alpha=weight_decay)
-        else:
-            grads = torch._foreach_add(grads, params, alpha=weight_decay)
     torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
     torch._foreach_mul_(exp_avg_sqs, beta2)
     torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1 - beta2)
