@@ -170,6 +170,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
         self._overlap_ddp: Any = None
         self._forward_syncs = 0  # sync_in_forward handles not removed: step() leaves the sync running
         self._has_state = False  # a step or a load happened (the same on every rank)
+        self._state_shown: Any = None  # what self.state was last built from
         self._optim_defaults = dict(defaults)
         # validates the hyperparameters with the class's own errors and fills its defaults
         if self.spec is not None:
@@ -261,12 +262,15 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
                 self._build_overlap()
             self._show_state()
 
-    def _show_state(self, has_state: bool = False) -> None:
+    def _show_state(self, has_state: bool = False, force: bool = True) -> None:
         """``self.state`` once stepped or loaded (on every rank alike: torch's DCP helpers
         step an optimizer whose ``state`` is empty, collectively); see ``ShardState.view``."""
         self._has_state = self._has_state or has_state
-        if self._has_state:
+        # a step (force=False) rebuilds it only when the local state gained entries
+        key = (id(self._state), len(self._state.optim.state))
+        if self._has_state and (force or key != self._state_shown):
             self.state = self._state.view(self._params())
+            self._state_shown = key
 
     # ------------------------------------------------------------- overlap
     def _attach_overlap(self, ddp: Any) -> None:
@@ -331,7 +335,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
                                    "the step then runs inside backward")
             # as torch's: the step already ran inside backward; step() only finishes the syncs
             self._overlap.wait_all()
-            self._show_state(has_state=True)
+            self._show_state(has_state=True, force=False)
             return closure() if closure is not None else None
         Join.notify_join_context(self)
         if grad_scaler is not None and self.zero_stage != 2:
@@ -367,7 +371,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
                 self._sync.start(params, updated_in_place=self._eager)
             else:
                 self._sync.sync(params, updated_in_place=self._eager)
-        self._show_state(has_state=True)
+        self._show_state(has_state=True, force=False)
         return loss
 
     # ------------------------------------------------------ sync in forward

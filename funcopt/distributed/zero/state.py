@@ -146,6 +146,8 @@ class ShardState:
             for sid in saved["params"]:
                 ids[sid] = flat
                 flat += 1
+        cut_params = {s.param for s in self.segments
+                      if not _pieces.is_whole(s.start, s.length, _pieces.numel_of(self.shapes[s.param]))}
         pieces = []
         for sid, entry in state_dict["state"].items():
             if sid not in ids:
@@ -161,7 +163,7 @@ class ShardState:
             # a range of the parameter is cut from parameter-shaped tensors only; a segment
             # holding the whole parameter is checked by the local optimizer (slot shapes:
             # Adafactor's factored rows and columns)
-            cut = any(s.param == i and not _pieces.is_whole(s.start, s.length, numel) for s in self.segments)
+            cut = i in cut_params
             for name, t in entry.items():
                 if cut and isinstance(t, Tensor) and t.dim() > 0 and tuple(t.shape) != shape:
                     raise ValueError(f"'{name}' of parameter {sid!r} has shape {tuple(t.shape)}, parameter has {shape}")
