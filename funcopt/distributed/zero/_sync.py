@@ -22,7 +22,7 @@ def _align(nbytes: int) -> int:
     return (nbytes + 15) // 16 * 16
 
 
-class _Flight:
+class Flight:
     """One broadcast in flight and, without bucket views, its unpack into the homes."""
 
     __slots__ = ("work", "unpack", "done")
@@ -66,7 +66,7 @@ class ParamSync:
         self.bucket_size_mb = bucket_size_mb
         self.buffers: Dict[str, Tensor] = {}
         self.index = {id(p): i for i, p in enumerate(params)}
-        self._pending: Dict[int, List[_Flight]] = {}  # param -> its broadcasts in flight
+        self._pending: Dict[int, List[Flight]] = {}  # param -> its broadcasts in flight
         self._copy_back: Dict[int, Tensor] = {}  # shadowed param -> the parameter, once its broadcasts end
         self._make_homes(params)
         self._plan()
@@ -210,7 +210,7 @@ class ParamSync:
                 else:
                     unpack = (views, slots)
                 work = dist.broadcast(buf, src=src, group=group, async_op=True)
-            flight = _Flight(work, unpack)
+            flight = Flight(work, unpack)
             for i in {i for i, _, _, _ in pieces}:
                 self._pending.setdefault(i, []).append(flight)
 

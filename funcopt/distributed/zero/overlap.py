@@ -34,27 +34,23 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.autograd.profiler import record_function
 
+from ._sync import Flight
+
 __all__ = ["ZeroOverlap", "hook_with_zero_step", "hook_with_zero_step_interleaved"]
 
 
 class _Sync:
-    """One bucket's parameter sync in flight: a broadcast per owner, unpacked on wait."""
+    """One bucket's parameter sync in flight: a broadcast per owner (``_sync.Flight``,
+    each unpacked into the homes when waited for)."""
 
     def __init__(self, params: List[int]):
         self.params = params
-        self.works: List[Any] = []
-        self.unpack: List[Tuple[List[Tensor], Tensor, List[int]]] = []
-        self.done = False
+        self.flights: List[Flight] = []
 
     def wait(self) -> None:
-        if self.done:
-            return
-        self.done = True
         with record_function("funcopt::zero_overlap/wait_sync"):
-            for w in self.works:
-                w.wait()
-            for views, buf, sizes in self.unpack:
-                torch._foreach_copy_(views, list(torch.split(buf, sizes)))
+            for f in self.flights:
+                f.wait()
 
 
 class ZeroOverlap:
@@ -140,13 +136,15 @@ class ZeroOverlap:
                 for r, pieces in self._plan(params):
                     views = [self.homes[i][a: a + n] for i, a, n in pieces]
                     sizes = [n for _, _, n in pieces]
+                    unpack = None
                     if r == self.rank:
                         buf = torch.cat(views) if len(views) > 1 else views[0].clone()
                     else:
                         buf = torch.empty(sum(sizes), dtype=views[0].dtype, device=views[0].device)
-                        sync.unpack.append((views, buf, sizes))
+                        unpack = (views, list(torch.split(buf, sizes)))
                     src = r if self.group is None else dist.get_global_rank(self.group, r)
-                    sync.works.append(dist.broadcast(buf, src=src, group=self.group, async_op=True))
+                    sync.flights.append(Flight(dist.broadcast(buf, src=src, group=self.group, async_op=True),
+                                                unpack))
         for i in params:
             self.pending[i] = sync
 
