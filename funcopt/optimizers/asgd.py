@@ -193,7 +193,7 @@ class ASGD(Optimizer):
 
     def __init__(self, params: Any, lr: Any = 1e-2, lambd: float = 1e-4, alpha: float = 0.75, t0: float = 1e6,
                  weight_decay: float = 0, foreach: Optional[bool] = None, maximize: bool = False,
-                 differentiable: bool = False, capturable: bool = False, impl: str = "auto") -> None:
+                 differentiable: bool = False, capturable: bool = False, *, impl: str = "auto") -> None:
         super().__init__(params, dict(lr=lr, lambd=lambd, alpha=alpha, t0=t0, weight_decay=weight_decay,
                                       foreach=foreach, maximize=maximize, differentiable=differentiable,
                                       capturable=capturable), impl)

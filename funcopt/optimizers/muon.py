@@ -186,7 +186,7 @@ class Muon(Optimizer):
     def __init__(self, params: Any, lr: Any = 1e-3, weight_decay: float = 0.1, momentum: float = 0.95,
                  nesterov: bool = True, ns_coefficients: Tuple[float, float, float] = NS_COEFFICIENTS,
                  eps: float = EPS, ns_steps: int = NS_STEPS, adjust_lr_fn: Optional[str] = None,
-                 impl: str = "auto") -> None:
+                 *, impl: str = "auto") -> None:
         super().__init__(params, dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
                                       ns_coefficients=ns_coefficients, eps=eps, ns_steps=ns_steps,
                                       adjust_lr_fn=adjust_lr_fn), impl)
