@@ -25,6 +25,7 @@ from torch import Tensor
 from torch.optim import optimizer as _torch_optimizer
 from torch.autograd.profiler import record_function
 
+from . import registry
 from .base import Optimizer
 
 __all__ = ["StepInBackward", "step_in_backward"]
@@ -41,6 +42,7 @@ class _Stepper:
     """
 
     def __init__(self, optimizer: Any, who: str):
+        registry.refuse_out_of_scope(optimizer, who, also=" (funcopt.<Name>(...) instances)")
         if not isinstance(optimizer, Optimizer):
             raise TypeError(
                 f"{who} expects a funcopt optimizer (funcopt.Adam, funcopt.SGD, ...), got "

@@ -275,15 +275,18 @@ def unregister(name: str) -> None:
 
 
 def get(name_or_class: Any) -> AlgorithmSpec:
-    """Look up by name, funcopt class or the matching torch.optim class."""
+    """Look up by name, funcopt class or the matching torch.optim class.
+
+    Raises:
+      TypeError: ``name_or_class`` is ``torch.optim.LBFGS`` or
+        ``torch.optim.SparseAdam`` (a subclass, an instance or the name of
+        one): not an update rule funcopt has (see :func:`refuse_out_of_scope`).
+      KeyError: anything else that is not registered.
+    """
     for spec in _SPECS:
         if name_or_class in (spec.name, spec.cls, spec.torch_cls):
             return spec
-    label = getattr(name_or_class, "__name__", name_or_class)
-    if label in _OUT_OF_SCOPE:
-        raise KeyError(
-            f"funcopt has no {label}: {_OUT_OF_SCOPE[label]}; supported: {', '.join(REGISTRY)}"
-        )
+    refuse_out_of_scope(name_or_class, "funcopt.registry.get")
     raise KeyError(
         f"no funcopt algorithm for {name_or_class!r}; known: {', '.join(REGISTRY)}"
     )
@@ -294,6 +297,38 @@ _OUT_OF_SCOPE = {
     "LBFGS": "its step is a closure-driven line search, not an update rule over a gradient list",
     "SparseAdam": "it is defined for sparse gradients only; use Adam (dense) or Adagrad/SGD (sparse COO)",
 }
+
+
+def out_of_scope(obj: Any) -> Optional[str]:
+    """The name of the out-of-scope ``torch.optim`` class (``"LBFGS"``, ``"SparseAdam"``)
+    that ``obj`` is, subclasses, is an instance of, or names; else ``None``."""
+    if isinstance(obj, str):
+        return obj if obj in _OUT_OF_SCOPE else None
+    cls = obj if isinstance(obj, type) else type(obj)
+    for name in _OUT_OF_SCOPE:
+        base = getattr(torch.optim, name, None)
+        if isinstance(base, type) and issubclass(cls, base):
+            return name
+    return None
+
+
+def refuse_out_of_scope(obj: Any, where: str, also: str = "") -> None:
+    """Raise ``TypeError`` if ``obj`` is ``torch.optim.LBFGS`` or ``torch.optim.SparseAdam``
+    (the class, a subclass, an instance or the name): funcopt has no such update
+    rule, and running one per shard or per worker would not be that algorithm on
+    the model.  Every layer that maps an optimizer class to a funcopt rule (ZeRO,
+    ZeRO-3 checkpoints, the RPC optimizer, ``funcopt.script``) calls this first,
+    before it changes anything or talks to another rank.  The message says why
+    and names what is supported (``also``: what else ``where`` takes)."""
+    name = out_of_scope(obj)
+    if name is None:
+        return
+    label = getattr(obj, "__qualname__", None) or (obj if isinstance(obj, str) else type(obj).__qualname__)
+    what = name if label == name else f"{label} (a torch.optim.{name})"
+    raise TypeError(
+        f"{where}: funcopt has no {what}: {_OUT_OF_SCOPE[name]}; supported: {', '.join(REGISTRY)}"
+        + (f"{also}" if also else "")
+    )
 
 
 def markdown() -> str:

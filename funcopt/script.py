@@ -58,6 +58,8 @@ def script(opt: T) -> T:
       TorchScriptUnavailableError: this torch (or Python) refuses to script;
         ``opt`` is left unchanged and keeps working eagerly and under
         ``torch.compile``.
+      TypeError: ``opt`` is not a funcopt optimizer; for ``torch.optim.LBFGS``
+        and ``torch.optim.SparseAdam`` the message says why funcopt has none.
 
     Example::
 
@@ -68,6 +70,10 @@ def script(opt: T) -> T:
         >>> bool((w < 0).all())
         True
     """
+    from . import registry
+
+    # LBFGS / SparseAdam (class, subclass or instance): why, before anything else
+    registry.refuse_out_of_scope(opt, "funcopt.script", also=" (funcopt.<Name>(...) instances)")
     require_scripting(f"funcopt.script({type(opt).__name__})")
     if not callable(getattr(opt, "_script", None)):
         raise TypeError(

@@ -11,10 +11,11 @@ context and apply them.
   kernel) is one TorchScript call, which runs without the GIL.  On a torch
   where TorchScript does not work, the same funcopt optimizer steps eagerly
   (same results; one ``EagerFallbackWarning`` per process on the owner).
-* Any other optimizer class (a ``torch.optim`` algorithm funcopt has no
-  scripted version of, a custom ``torch.optim.Optimizer`` subclass) runs
-  eagerly on the owner, as torch's ``_LocalOptimizer`` does: the context's
-  gradients are put in ``p.grad`` for the duration of ``opt.step()``.
+* Any other optimizer class whose update is per parameter (a custom
+  ``torch.optim.Optimizer`` subclass) runs eagerly on the owner, as torch's
+  ``_LocalOptimizer`` does: the context's gradients are put in ``p.grad`` for
+  the duration of ``opt.step()``.  ``torch.optim.LBFGS`` and
+  ``torch.optim.SparseAdam`` are refused at construction (``TypeError``).
 
 A per-worker lock makes concurrent trainers apply whole steps one at a time.
 Errors raised on an owner come back to the caller as an exception of the same
@@ -372,9 +373,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
       class (``torch.optim.Adam``): on every owner the optimizer is the
       scripted funcopt one (fused where available), stepped without the GIL.
       Invalid hyperparameters raise torch's own error here, on the caller.
-    * Any other optimizer class (``torch.optim.RMSprop``, a custom
-      ``torch.optim.Optimizer`` subclass): constructed and stepped eagerly on
-      every owner (under the owner's step lock), as torch does.
+    * Any other optimizer class whose update is per parameter (a custom
+      ``torch.optim.Optimizer`` subclass, e.g. one of ``torch.optim.RMSprop``):
+      constructed and stepped eagerly on every owner (under the owner's step
+      lock), as torch does.
+    * ``torch.optim.LBFGS`` and ``torch.optim.SparseAdam`` (and subclasses):
+      ``TypeError`` here, before any RPC (each owner would run it on its own
+      parameters only, which is not that algorithm on the model).
 
     An error raised on an owner (by the optimizer class, a refused
     hyperparameter change, a bad state) comes back as an exception of the same
@@ -414,6 +419,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
                  rpc_timeout: float = UNSET_RPC_TIMEOUT, **kwargs: Any):
         self.rpc_timeout: float = rpc_timeout
         self.spec: Optional[registry.AlgorithmSpec]
+        registry.refuse_out_of_scope(  # LBFGS / SparseAdam: refused here, before any RPC
+            optimizer_class, "DistributedOptimizer",
+            also="; or any other optimizer class whose update is per parameter (run eagerly on the owners)")
         try:
             self.spec = registry.get(optimizer_class)
         except KeyError as e:

@@ -61,6 +61,10 @@ class Zero3Shards:
     format = FORMAT
 
     def __init__(self, root: Any, optimizer: Any = None):
+        if optimizer is not None:  # before anything is read or any rank is waited for
+            registry.refuse_out_of_scope(
+                optimizer, "save_sharded/load_sharded(optimizer=...)",
+                also="; or any other torch.optim.Optimizer whose update is per parameter")
         self.root, self.optimizer = root, optimizer
         self.process_group = getattr(root, "process_group", None)
         self.rank, self.world_size = rank_and_size(self.process_group)

@@ -63,6 +63,10 @@ def _call(ref: Any, method: str, *args: Any) -> None:
         getattr(zero, method)(*args)
 
 
+_EAGER_TOO = ("; or any other torch.optim.Optimizer subclass whose update is per parameter "
+              "(run eagerly over each rank's whole parameters, partition='greedy')")
+
+
 class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
     r"""Shard optimizer state (and optionally gradients) over the ranks of a process group.
 
@@ -79,8 +83,11 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
         (mapped through the registry: the shard steps through the funcopt
         core, scripted, fused where available; eagerly, with one
         ``EagerFallbackWarning``, where this torch cannot script), or any other
-        ``torch.optim.Optimizer`` subclass (run eagerly over this rank's
-        whole parameters, as torch does).
+        ``torch.optim.Optimizer`` subclass whose update is per parameter
+        (run eagerly over this rank's whole parameters, as torch does).
+        ``torch.optim.LBFGS`` and ``torch.optim.SparseAdam`` (and their
+        subclasses) raise ``TypeError`` here, on every rank, before any
+        collective: per shard they would not be that algorithm on the model.
       process_group: default: the world.
       parameters_as_bucket_view: make ``p.data`` views into one flat buffer
         per dtype, so the sync writes straight into the parameters
@@ -138,6 +145,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
                              "reduce-scatters its own gradients (use one or the other)")
         if zero_stage not in (1, 2):
             raise ValueError(f"zero_stage must be 1 or 2, got {zero_stage}")
+        # LBFGS / SparseAdam: refused here, on every rank alike, before any collective
+        registry.refuse_out_of_scope(optimizer_class, "ZeroRedundancyOptimizer", also=_EAGER_TOO)
         try:
             self.spec: Optional[registry.AlgorithmSpec] = registry.get(optimizer_class)
         except KeyError:
