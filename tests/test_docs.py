@@ -5,8 +5,8 @@
   itself or the module that defines it).
 * Every relative link in ``README.md`` and ``docs/*.md`` points at a file that
   exists, and every ``#anchor`` into a Markdown file at one of its headings.
-* The snippets of ``docs/migration.md``, ``docs/limits.md``, ``docs/distributed.md``
-  and ``README.md`` run:
+* The snippets of ``docs/index.md``, ``docs/migration.md``, ``docs/limits.md``,
+  ``docs/distributed.md`` and ``README.md`` run:
   a fenced ``python`` block preceded by
 
   - ``<!-- doctest: run -->`` must run without an exception;
@@ -160,7 +160,7 @@ def _snippets(page: str) -> List[Tuple[str, Optional[int], str, Optional[str], i
     return out
 
 
-_SNIPPET_PAGES = ("migration.md", "limits.md", "distributed.md", "../README.md")   # relative to docs/
+_SNIPPET_PAGES = ("index.md", "migration.md", "limits.md", "distributed.md", "../README.md")   # relative to docs/
 
 # Runs a page's snippets of one kind in order in one interpreter (one torch
 # import instead of one per snippet); each snippet is a file run as __main__.
