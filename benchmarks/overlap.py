@@ -15,7 +15,10 @@ every peer, in rotating order), each round's time divided by that round's
   check for the measurement; its skipped steps are counted)
 * ``f_z1``: DDP + funcopt ZeRO-1 (flat), ``step()`` after backward
 * ``f_z1_ov`` / ``f_z1_ov_il``: funcopt ZeRO-1 ``overlap_with_ddp=True`` with
-  ``hook_with_zero_step`` / ``hook_with_zero_step_interleaved``
+  ``hook_with_zero_step`` / ``hook_with_zero_step_interleaved`` (every
+  parameter current when backward returns, torch's contract)
+* ``f_z1_ov_fwd``: ``hook_with_zero_step(..., sync_in_forward=True)``: the
+  syncs left running after backward, waited for by the next forward
 * ``f_z1_fwd``: funcopt ZeRO-1, ``step()`` after backward, the parameter sync
   behind the next forward (``sync_in_forward``)
 * ``f_z2`` / ``f_z2_fwd``: funcopt ZeRO-2, plain sync / ``sync_in_forward``
@@ -56,7 +59,7 @@ from funcopt.bench._zero_parts import build_model, make_batches, parse_size
 from funcopt.distributed.launch import launch
 
 PEERS = ["ddp_adam", "ddp_fadam", "ddp_hook", "torch_zero", "torch_zero_ov", "f_z1", "f_z1_ov", "f_z1_ov_il",
-         "f_z1_fwd", "f_z2", "f_z2_fwd"]
+         "f_z1_ov_fwd", "f_z1_fwd", "f_z2", "f_z2_fwd"]
 
 
 def make(key: str, base: torch.nn.Module, lr: float, torch_overlap: bool) -> Dict[str, Any]:
@@ -100,7 +103,7 @@ def make(key: str, base: torch.nn.Module, lr: float, torch_overlap: bool) -> Dic
         opt = ZeroRedundancyOptimizer(model.parameters(), funcopt.Adam, overlap_with_ddp=key != "f_z1", lr=lr)
         if key != "f_z1":
             make_hook = hook_with_zero_step_interleaved if key == "f_z1_ov_il" else hook_with_zero_step
-            ddp.register_comm_hook(None, make_hook(allreduce_hook, ddp, opt))
+            ddp.register_comm_hook(None, make_hook(allreduce_hook, ddp, opt, sync_in_forward=key == "f_z1_ov_fwd"))
             step = False
     return dict(key=key, model=model, ddp=ddp, opt=opt, step=step, skipped=0)
 

@@ -5,10 +5,15 @@ optimizer's ``step()`` over the whole model; DDP + the non-overlapped
 ``ZeroRedundancyOptimizer`` (``step()`` after backward, same partition); and
 ``ZeroRedundancyOptimizer(overlap_with_ddp=True)`` registered through
 ``hook_with_zero_step`` (or ``_interleaved``) before the first iteration.
-Against the non-overlapped ZeRO every iteration's loss (a forward whose
-parameters the pre-hooks had to wait for) and every parameter must be
-bitwise equal; against plain DDP the largest difference is returned: 0 with
-the foreach formula, at most an ulp or so with CPU fused kernels, which
+Every parameter is read right after each ``backward()`` (before anything
+else runs: no ``zero.step()``, no ``zero_grad()``, no forward), as an EMA
+update or a checkpoint would: by default it must already hold this
+iteration's update on every rank.  With ``sync_in_forward=True`` (the
+opt-in deferral) that read must be stale on some parameter at W > 1 (the
+syncs are still pending), and the next forward (its pre-hooks) or the
+model's ``state_dict()`` must bring them.  Against the non-overlapped ZeRO
+every iteration's loss and every parameter must be bitwise equal; against
+plain DDP the largest difference is returned: 0 with the foreach formula, at most an ulp or so with CPU fused kernels, which
 round the scalar tail of a vectorized loop differently when the flat
 partition cuts a parameter at an unaligned element (the same for ZeRO with
 or without overlap).  Zero skipped steps: the first iteration already moves
@@ -17,7 +22,7 @@ the parameters.
 from __future__ import annotations
 
 import copy
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -47,10 +52,15 @@ def run_case(case: Dict[str, Any]) -> Dict[str, Any]:
     # the non-overlapped path: the same partition, step() after backward
     z_ref = ZeroRedundancyOptimizer(trained(spec, m_z), spec.cls, **kw)
     make = hook_with_zero_step_interleaved if case.get("interleaved") else hook_with_zero_step
-    d.register_comm_hook(None, make(allreduce_hook, d, zero))
+    deferred = case.get("deferred", False)
+    d.register_comm_hook(None, make(allreduce_hook, d, zero, sync_in_forward=deferred) if deferred
+                         else make(allreduce_hook, d, zero))  # the default: torch's call, unchanged
     sched = [torch.optim.lr_scheduler.StepLR(x, step_size=2, gamma=0.5) for x in (o_ref, zero, z_ref)]
     init = [p.detach().clone() for p in m.parameters()]
-    out: Dict[str, Any] = {"mismatch": None, "pending_after_forward": [], "vs_plain": 0.0}
+    out: Dict[str, Any] = {"mismatch": None, "pending_after_forward": [], "vs_plain": 0.0,
+                           "pending_after_backward": [], "stale_after_backward": []}
+    waits_in_step = case.get("step", True)
+    forward_brings = None  # deferred, no step(): what the next forward's pre-hooks must bring
     for step in range(STEPS):
         use_side = (rank + step) % 2 == 0 if find_unused else True
         x = data(step, rank)
@@ -75,18 +85,50 @@ def run_case(case: Dict[str, Any]) -> Dict[str, Any]:
         if not torch.equal(loss, loss_z):
             out["mismatch"] = f"step {step}: loss {loss.item()} vs {loss_z.item()}"
             return out
+        if forward_brings is not None:  # every module ran: each waited for its own parameters
+            out["mismatch"] = first_mismatch_list(forward_brings, m, f"step {step - 1}, after the next forward")
+            if out["mismatch"]:
+                return out
+            if step == 1:
+                out["moved_at_step_1"] = [n for (n, p), q in zip(m.named_parameters(), init) if not torch.equal(p, q)]
         out["vs_plain"] = max(out["vs_plain"], (loss - loss_ref).abs().item())
         loss.backward()
-        zero.step()  # a no-op that finishes the syncs (as torch's, no update here)
-        out["mismatch"] = first_mismatch(m_z, m, step)
-        out["vs_plain"] = max([out["vs_plain"]] + [(p - q).abs().max().item()
-                                                    for p, q in zip(m_ref.parameters(), m.parameters())])
-        if out["mismatch"]:
-            return out
-        if step == 0:
-            out["moved_at_step_1"] = [n for (n, p), q in zip(m.named_parameters(), init) if not torch.equal(p, q)]
+        # read every parameter right after backward, before anything can wait for a sync
+        read = [p.detach().clone() for p in m.parameters()]
+        out["pending_after_backward"].append(len(zero._overlap.pending) + len(zero._overlap.queued))
+        stale = [n for (n, p), q in zip(m_z.named_parameters(), read) if not torch.equal(p, q)]
+        out["stale_after_backward"].append(stale)
+        if not deferred:
+            if stale:
+                out["mismatch"] = f"step {step}: read right after backward, {stale} differ from the reference"
+                return out
+            out["vs_plain"] = max([out["vs_plain"]] + [(p - q).abs().max().item()
+                                                        for p, q in zip(m_ref.parameters(), read)])
+        elif step == 1:  # the model's state_dict waits for the syncs of the parameters it returns
+            sd = d.module.state_dict()
+            diff = [n for n, p in m_z.named_parameters() if not torch.equal(p, sd[n])]
+            if diff:
+                out["mismatch"] = f"step {step}: state_dict() right after backward: {diff} differ"
+                return out
+        if waits_in_step:
+            zero.step()  # a no-op (as torch's, no update here); with the deferral it finishes the syncs
+        if deferred and not waits_in_step:
+            forward_brings = [p.detach().clone() for p in m_z.parameters()]
+        else:
+            out["mismatch"] = first_mismatch(m_z, m, step)
+            out["vs_plain"] = max([out["vs_plain"]] + [(p - q).abs().max().item()
+                                                        for p, q in zip(m_ref.parameters(), m.parameters())])
+            if out["mismatch"]:
+                return out
+            if step == 0:
+                out["moved_at_step_1"] = [n for (n, p), q in zip(m.named_parameters(), init) if not torch.equal(p, q)]
         for s in sched:
             s.step()
+    if forward_brings is not None:
+        zero.wait_sync()
+        out["mismatch"] = first_mismatch(m_z, m, STEPS - 1)
+        if out["mismatch"]:
+            return out
     if case["kind"] == "checkpoint":
         zero.consolidate_state_dict(to=0)
         z_ref.consolidate_state_dict(to=0)
@@ -101,6 +143,13 @@ def run_case(case: Dict[str, Any]) -> Dict[str, Any]:
     return out
 
 
+def first_mismatch_list(want: List[torch.Tensor], model: torch.nn.Module, when: str) -> Optional[str]:
+    for (n, p), q in zip(model.named_parameters(), want):
+        if not torch.equal(p, q):
+            return f"{when}: {n} differs by {(p - q).abs().max().item():.3g}"
+    return None
+
+
 def cases() -> List[Dict[str, Any]]:
     out = [dict(kind="plain", algo=name, name=f"zero-{name}") for name in REGISTRY]
     out.append(dict(kind="unused", algo="Adam", impl=dict(foreach=True), name="zero-unused-foreach"))
@@ -108,8 +157,19 @@ def cases() -> List[Dict[str, Any]]:
             dict(kind="plain", algo="SGD", view=True, interleaved=True, name="zero-bucket-view"),
             dict(kind="unused", algo="Adam", name="zero-unused"),
             dict(kind="raise", algo="Adam", interleaved=True, name="zero-raise"),
-            dict(kind="checkpoint", algo="Adam", name="zero-checkpoint")]
+            dict(kind="checkpoint", algo="Adam", name="zero-checkpoint"),
+            # without zero.step(): backward alone must leave every parameter current
+            dict(kind="plain", algo="AdamW", step=False, name="zero-no-step"),
+            dict(kind="plain", algo="SGD", view=True, step=False, name="zero-bucket-view-no-step"),
+            # the opt-in deferral: syncs pending after backward, waited for by the next forward
+            dict(kind="plain", algo="Adam", deferred=True, step=False, name="zero-deferred"),
+            dict(kind="unused", algo="Adam", deferred=True, interleaved=True, name="zero-deferred-interleaved"),
+            dict(kind="raise", algo="Adam", deferred=True, interleaved=True, name="zero-deferred-raise")]
     return out
+
+
+def case(name: str) -> Dict[str, Any]:
+    return next(c for c in cases() if c["name"] == name)
 
 
 def work(rank: int, world: int, out_dir: str) -> None:

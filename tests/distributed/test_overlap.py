@@ -74,6 +74,17 @@ def test_zero_overlap_with_ddp_bitwise_from_step_1(zrun, world, name):
         assert set(res["moved_at_step_1"]) == set(res["trained"]), res["moved_at_step_1"]
         # the forward pre-hooks waited for every sync the forward needed
         assert all(n == 0 for n in res["pending_after_forward"][1:]), res["pending_after_forward"]
+        assert len(res["stale_after_backward"]) == Z.STEPS
+        if not Z.case(name).get("deferred"):
+            # torch's contract: every parameter current when backward() returns
+            assert res["pending_after_backward"] == [0] * Z.STEPS, res["pending_after_backward"]
+            assert not any(res["stale_after_backward"]), res["stale_after_backward"]
+        else:
+            # sync_in_forward=True: the syncs are still running when backward() returns,
+            # and the parameters other ranks own are those of the previous step
+            assert all(n > 0 for n in res["pending_after_backward"]), res["pending_after_backward"]
+            if world > 1:
+                assert all(res["stale_after_backward"]), res["stale_after_backward"]
         assert res["buckets"] > Z.STEPS
         # against plain DDP + the same optimizer: bitwise with the foreach formula,
         # within float32 rounding where fused kernels meet unaligned partition cuts

@@ -16,10 +16,16 @@ gradient bucket:
    rank issues the same collectives in the same order, which gloo needs):
    with :func:`hook_with_zero_step_interleaved` from the next bucket's hook,
    with :func:`hook_with_zero_step` from the last bucket's;
-4. the sync is waited for in forward pre-hooks, per module, just before the
-   next forward uses those parameters (and by ``zero_grad``, ``step``,
-   ``consolidate_state_dict``, the next backward: a forward that raised
-   leaves nothing pending).
+4. by default (torch's semantics) every sync is waited for at the end of
+   backward, in a callback queued on the autograd engine from the last
+   bucket's hook: when ``backward()`` returns, every parameter is current on
+   every rank, and the syncs overlapped whatever backward had left to do
+   (with the interleaved hook: most of it).  With ``sync_in_forward=True``
+   the wait moves to forward (and ``state_dict``) pre-hooks, per module, just
+   before the next forward uses those parameters (and to ``zero_grad``,
+   ``step``, ``consolidate_state_dict``, ``wait_sync``, the next backward: a
+   forward that raised leaves nothing pending); until then the parameters
+   are not to be read.
 
 The first iteration already steps: nothing depends on DDP's bucket rebuild
 (the plan is keyed by the bucket's parameters and rebuilt when they change).
@@ -189,7 +195,9 @@ class ZeroOverlap:
             if not own or m in self.hooked_modules:
                 continue
             self.hooked_modules.add(m)
-            m.register_forward_pre_hook(_make_pre_hook(current, own))
+            hook = _make_pre_hook(current, own)
+            m.register_forward_pre_hook(hook)
+            m.register_state_dict_pre_hook(hook)  # a checkpoint of the model waits too
         if module not in self.roots:
             self.roots.add(module)
             module.register_forward_pre_hook(lambda m, a: _root_pre_hook(current))
@@ -202,7 +210,7 @@ def _root_pre_hook(current: Callable[[], Optional[ZeroOverlap]]) -> None:
 
 
 def _make_pre_hook(current: Callable[[], Optional[ZeroOverlap]], params: List[Tensor]) -> Callable:
-    def pre_hook(module: Any, args: Any) -> None:
+    def pre_hook(module: Any, *args: Any) -> None:
         ov = current()
         if ov is not None and (ov.pending or ov.queued):
             if ov.queued:
@@ -215,7 +223,22 @@ def _used_flags(params: List[Tensor]) -> Tensor:
     return torch.tensor([p.grad is not None for p in params], dtype=torch.int32)
 
 
-def _make(hook: Callable, ddp: Any, zero: Any, interleaved: bool) -> Callable:
+def _wait_at_end_of_backward(ov: ZeroOverlap) -> None:
+    """Every parameter current when backward returns: wait for all the syncs in
+    a callback at the end of this backward (on the autograd thread, after the
+    work backward still had; bounded by the process group's timeout), or at
+    once when the hook runs outside a backward (DDP's join shadow pass)."""
+    def finish() -> None:
+        with record_function("funcopt::zero_overlap/wait_sync"), torch.no_grad():
+            ov.wait_all()
+
+    if torch._C._current_graph_task_id() == -1:
+        finish()
+    else:
+        torch.autograd.Variable._execution_engine.queue_callback(finish)
+
+
+def _make(hook: Callable, ddp: Any, zero: Any, interleaved: bool, sync_in_forward: bool = False) -> Callable:
     if not getattr(zero, "overlap_with_ddp", False):
         raise ValueError("ZeroRedundancyOptimizer must be constructed with `overlap_with_ddp=True` to use this hook")
     if not isinstance(ddp, torch.nn.parallel.DistributedDataParallel):
@@ -254,27 +277,33 @@ def _make(hook: Callable, ddp: Any, zero: Any, interleaved: bool) -> Callable:
             ov.launch_queued(keep_last=True)  # the previous bucket's sync, behind this all-reduce
         if bucket.is_last():
             ov.launch_queued(keep_last=False)
+            if not sync_in_forward:
+                _wait_at_end_of_backward(ov)
         return stepped
 
     return hook_with_zero_fn
 
 
-def hook_with_zero_step(hook: Callable, ddp: Any, zero: Any, shard_buckets: bool = False) -> Callable:
+def hook_with_zero_step(hook: Callable, ddp: Any, zero: Any, shard_buckets: bool = False, *,
+                        sync_in_forward: bool = False) -> Callable:
     """Wrap a DDP comm hook so that ZeRO steps and syncs each bucket inside backward.
 
     Same name and arguments as torch's
-    ``torch.distributed.algorithms.ddp_comm_hooks.ddp_zero_hook.hook_with_zero_step``;
-    unlike torch's, no iteration is skipped (torch's first two or three
-    iterations wait for DDP's bucket rebuild and do not update), gloo is
-    supported, any funcopt algorithm and any number of parameter groups.
+    ``torch.distributed.algorithms.ddp_comm_hooks.ddp_zero_hook.hook_with_zero_step``
+    and, by default, the same contract: when ``backward()`` returns, every
+    parameter holds this iteration's update on every rank.  Unlike torch's,
+    no iteration is skipped (torch's first two or three iterations wait for
+    DDP's bucket rebuild and do not update), gloo is supported, any funcopt
+    algorithm and any number of parameter groups.
 
     Each bucket's owned ranges step as soon as its all-reduce returns (on
     the thread that completed it, while backward goes on); the parameter
     syncs (one broadcast per owner and bucket) all start after the last
-    bucket and are waited for in forward pre-hooks, per module, as the next
-    forward reaches them.  Prefer it when communication is slow next to
-    computation; :func:`hook_with_zero_step_interleaved` starts each sync a
-    bucket earlier.
+    bucket and are waited for at the end of backward (a callback queued on
+    the autograd engine; each wait bounded by the process group's timeout).
+    Prefer it when communication is slow next to computation;
+    :func:`hook_with_zero_step_interleaved` starts each sync a bucket earlier,
+    so more of it overlaps backward.
 
     Args:
       hook: the DDP comm hook averaging a bucket, e.g. ``allreduce_hook``
@@ -284,6 +313,20 @@ def hook_with_zero_step(hook: Callable, ddp: Any, zero: Any, shard_buckets: bool
         ``overlap_with_ddp=True`` over ``ddp.parameters()``.
       shard_buckets: accepted for torch compatibility; funcopt's flat
         partition already spreads every bucket over the ranks.
+      sync_in_forward: (funcopt only, keyword) leave the syncs running after
+        ``backward()`` returns and wait for them per module in the next
+        forward of ``ddp`` (forward pre-hooks), so they also overlap the
+        data loading and the start of the next forward.  Then, between
+        ``backward()`` and the next forward, **do not read the parameters**:
+        on the element ranges another rank owns they still hold the previous
+        iteration's values (an EMA update, a norm, logging, ``torch.save``
+        of ``p`` or of an optimizer-independent copy, a comparison with
+        another model).  What waits for them: the next forward (each module
+        for its own parameters), ``ddp.module.state_dict()`` or a
+        submodule's (its own parameters), ``zero.wait_sync()``,
+        ``zero.step()``, ``zero.zero_grad()``, ``consolidate_state_dict``,
+        the next backward.  A forward that reads a parameter of a submodule
+        it does not call must call ``zero.wait_sync()`` first.
 
     Returns:
       the hook to pass to ``ddp.register_comm_hook(None, ...)``.
@@ -295,13 +338,17 @@ def hook_with_zero_step(hook: Callable, ddp: Any, zero: Any, shard_buckets: bool
         for x, y in loader:
             zero.zero_grad()
             loss_fn(ddp(x), y).backward()   # steps inside; no zero.step()
+            ema.update(ddp.module)          # the parameters are current here
     """
-    return _make(hook, ddp, zero, interleaved=False)
+    return _make(hook, ddp, zero, interleaved=False, sync_in_forward=sync_in_forward)
 
 
-def hook_with_zero_step_interleaved(hook: Callable, ddp: Any, zero: Any, shard_buckets: bool = False) -> Callable:
+def hook_with_zero_step_interleaved(hook: Callable, ddp: Any, zero: Any, shard_buckets: bool = False, *,
+                                    sync_in_forward: bool = False) -> Callable:
     """As :func:`hook_with_zero_step`, but each bucket's parameter sync starts
     from the next bucket's hook (interleaved with the remaining all-reduces)
     instead of after the last one: better when communication is fast next
-    to computation.  Same arguments as torch's function of the same name."""
-    return _make(hook, ddp, zero, interleaved=True)
+    to computation.  Same arguments as torch's function of the same name,
+    plus ``sync_in_forward`` (see :func:`hook_with_zero_step`: by default
+    every parameter is current when ``backward()`` returns)."""
+    return _make(hook, ddp, zero, interleaved=True, sync_in_forward=sync_in_forward)
