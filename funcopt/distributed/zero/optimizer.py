@@ -95,9 +95,11 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
       overlap_with_ddp: step inside DDP's backward: register
         ``hook_with_zero_step`` (or ``_interleaved``) from
         :mod:`funcopt.distributed.zero.overlap` as the DDP comm hook; each
-        bucket's owned ranges step as its all-reduce returns, the parameter
-        sync is waited for in forward pre-hooks, no iteration is skipped, and
-        ``step()`` is then a no-op (ZeRO-1, funcopt algorithms only).
+        bucket's owned ranges step as its all-reduce returns and, as with
+        torch's, every parameter is current when ``backward()`` returns (the
+        hook's ``sync_in_forward=True`` defers that to the next forward); no
+        iteration is skipped, and ``step()`` is then a no-op (ZeRO-1, funcopt
+        algorithms only).
       partition: ``"flat"`` (even contiguous ranges; the default for funcopt
         algorithms) or ``"greedy"`` (torch's whole-parameter partition; the
         default, and the only choice, for other optimizer classes).
@@ -407,8 +409,9 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
                 zero.step()          # returns before the parameters arrive
         """
         if self.overlap_with_ddp:
-            raise ValueError("sync_in_forward: with overlap_with_ddp=True the DDP hook already waits for "
-                             "each bucket's sync in the next forward")
+            raise ValueError("sync_in_forward: with overlap_with_ddp=True the parameter sync runs inside "
+                             "backward; to wait for it in the next forward instead, pass sync_in_forward=True "
+                             "to hook_with_zero_step / hook_with_zero_step_interleaved")
         ref = weakref.ref(self)
 
         def on_remove() -> None:
@@ -430,8 +433,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
 
     def wait_sync(self) -> None:
         """Wait for a parameter sync still running (:meth:`sync_in_forward`, or the
-        overlapped step of ``overlap_with_ddp``).  Local: each rank waits for its
-        own receives."""
+        overlapped step of ``overlap_with_ddp`` with the hook's
+        ``sync_in_forward=True``).  Local: each rank waits for its own receives."""
         if self._overlap is not None:
             self._overlap.wait_all()
         with torch.no_grad():
