@@ -83,6 +83,80 @@ def pytest_configure(config):
     which waking torch's thread pool costs more than the work (milliseconds per
     fused step on a busy 2-core machine).  Results do not depend on it."""
     torch.set_num_threads(1)
+    config.addinivalue_line("markers", "rest: in the rest tier only (docs/testing.md); README's command skips it")
+
+
+# ------------------------------------------------------------------ tiers
+# README's test command runs the default tier: every behaviour, every algorithm
+# and every distributed layer at least once, grids over their pairwise cover,
+# world sizes 1, 2, 4.  The rest tier holds what the default tier leaves out:
+# the items named in REST below and every grid point beyond the pairwise cover.
+#
+#   python -m pytest -q                          default tier
+#   FUNCOPT_TIER=rest python -m pytest -q        the rest only (CI runs it after the default tier)
+#   FUNCOPT_FULL_GRID=1 python -m pytest -q      both tiers, every grid point everywhere
+#
+# FUNCOPT_TIER=rest implies FUNCOPT_FULL_GRID=1 and deselects every test the
+# default tier collects (asked of a default-tier collection in a subprocess),
+# so the two runs together are exactly the full run.
+import os as _os  # noqa: E402
+import re as _re  # noqa: E402
+
+TIER = _os.environ.get("FUNCOPT_TIER", "default")
+if TIER not in ("default", "rest"):
+    raise pytest.UsageError(f"FUNCOPT_TIER must be 'default' or 'rest', got {TIER!r}")
+if TIER == "rest":
+    _os.environ["FUNCOPT_FULL_GRID"] = "1"
+FULL = _os.environ.get("FUNCOPT_FULL_GRID", "") not in ("", "0")
+
+# (node id pattern, why it is in the rest tier); a pattern matches from the
+# start of the node id.  The default tier keeps a cheaper test of the same
+# behaviour beside each one (named in the reason).
+REST = [
+    (r"tests/test_wheel\.py::test_(version|demo_outside|bad_lr|bench_quick)",
+     "a fresh venv with torch installed from the registry, then every subcommand (~5 min); "
+     "the default tier builds the wheel and runs it on the installed torch (test_wheel_runs_in_place)"),
+    (r"tests/test_cli_zero\.py::test_demo_zero_shards_state\[[23]\]",
+     "the demo at ZeRO-2 and -3 (spawned processes); the default tier runs --zero 1, "
+     "tests/distributed tests ZeRO-2/3 themselves"),
+    (r"tests/test_compile\.py::test_every_algorithm_compiles_fullgraph\[(?!Adam\]|SGD\]|Muon\]|Adafactor\]|RMSprop\])",
+     "torch.compile of each algorithm (seconds each); the default tier compiles Adam, SGD, RMSprop, Muon, Adafactor"),
+]
+_REST_RE = [(_re.compile(p), why) for p, why in REST]
+
+
+def in_rest(nodeid: str) -> bool:
+    return any(r.match(nodeid) for r, _ in _REST_RE)
+
+
+def _default_tier_ids(config) -> set:
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in _os.environ.items() if k not in ("FUNCOPT_TIER", "FUNCOPT_FULL_GRID")}
+    args = [str(a) for a in config.args]
+    r = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *args],
+                       cwd=str(config.invocation_params.dir), env=env, capture_output=True, text=True,
+                       timeout=900)
+    if r.returncode not in (0, 5):
+        raise pytest.UsageError("FUNCOPT_TIER=rest: collecting the default tier failed:\n" + r.stdout[-3000:]
+                                + r.stderr[-3000:])
+    return {line.strip() for line in r.stdout.splitlines() if "::" in line}
+
+
+def pytest_collection_modifyitems(config, items):
+    if FULL and TIER != "rest":
+        return  # FUNCOPT_FULL_GRID=1: both tiers
+    if TIER == "rest":
+        default = _default_tier_ids(config)
+        drop = [it for it in items if it.nodeid in default]
+    else:
+        drop = [it for it in items if in_rest(it.nodeid) or it.get_closest_marker("rest") is not None]
+    if drop:
+        dropped = {id(it) for it in drop}
+        keep = [it for it in items if id(it) not in dropped]
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
 
 
 # FUNCOPT_EXTRA_ALGORITHMS: paths of algorithm files (a formula file that ends

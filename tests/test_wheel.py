@@ -139,3 +139,43 @@ def test_bench_quick(installed, tmp_path):
     assert re.search(r"\d\.\d\dx \(\d+\.\d\d-\d+\.\d\d\)", r.stdout), r.stdout  # a ratio with its spread
     assert list((tmp_path / "trace").glob("*.pt.trace.json")), "no torch.profiler trace written"
     _clean_stderr(r.stderr)
+
+
+def test_wheel_runs_in_place(tmp_path):
+    """Default tier's wheel check (the fresh-venv tests above are in the rest tier,
+    tests/conftest.py REST): the wheel built from a copy of the sources carries
+    every module of the package and the ``funcopt`` entry point, and, unpacked
+    into an empty directory outside the source tree, imports and runs
+    ``funcopt --version`` against the installed torch."""
+    src = tmp_path / "src"
+    src.mkdir()
+    shutil.copytree(ROOT / "funcopt", src / "funcopt", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    env = _env(tmp_path)
+    dist = tmp_path / "dist"
+    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                        str(dist), str(src)], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    (wheel,) = dist.glob("funcopt-*.whl")
+    import zipfile
+
+    names = set(zipfile.ZipFile(wheel).namelist())
+    want = {str(p.relative_to(ROOT)) for p in (ROOT / "funcopt").rglob("*.py")}
+    assert want <= names, sorted(want - names)
+    (ep,) = [n for n in names if n.endswith("entry_points.txt")]
+    assert "funcopt = funcopt.cli:main" in zipfile.ZipFile(wheel).read(ep).decode()
+    target = tmp_path / "site"
+    r = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target),
+                        str(wheel)], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    run = tmp_path / "run"
+    run.mkdir()
+    r = subprocess.run([sys.executable, "-c", "import funcopt, sys; print(funcopt.__file__); "
+                        "sys.argv = ['funcopt', '--version']; from funcopt.cli import main; sys.exit(main())"],
+                       env=dict(env, PYTHONPATH=str(target)), cwd=run, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    where, version = r.stdout.splitlines()
+    assert where.startswith(str(target)), where
+    assert re.fullmatch(rf"funcopt \S+ \(torch {re.escape(TORCH)}\S*, Python \S+\)", version), version
+    _clean_stderr(r.stderr)

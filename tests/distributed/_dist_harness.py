@@ -72,17 +72,32 @@ class SpawnResult:
         return torch.load(file, weights_only=False)
 
 
-def spawn(fn: Callable, world: int, workdir: Path, *args: Any, deadline: float = 150.0) -> SpawnResult:
-    """Run ``fn(rank, world, workdir, *args)`` on ``world`` spawned ranks; wait at most ``deadline`` s.
+def spawn(fn: Callable, world: int, workdir: Path, *args: Any, deadline: float = 150.0,
+          own: bool = False) -> SpawnResult:
+    """Run ``fn(rank, world, workdir, *args)`` on ``world`` ranks; wait at most ``deadline`` s.
 
-    Through :func:`funcopt.distributed.launch.launch` (spawn, gloo, ``file://``
-    rendezvous in ``workdir``, :data:`COLLECTIVE_TIMEOUT`, one thread per rank,
-    ``destroy_process_group`` in ``finally``, each rank's traceback in
-    ``error-rank<r>.txt``); no early kill after a failure (fault tests let
-    the other ranks fail by themselves), only at the deadline."""
+    By default on the session's reusable ranks (:mod:`_dist_pool`: started once
+    per world size, gloo, ``file://`` rendezvous, :data:`COLLECTIVE_TIMEOUT`,
+    one thread per rank; a job that fails or passes its deadline is reported
+    with each rank's traceback and the pool is rebuilt for the next one).
+    ``own=True`` (or ``FUNCOPT_TEST_POOL=0``): fresh processes through
+    :func:`funcopt.distributed.launch.launch` (spawn, ``destroy_process_group``
+    in ``finally``, each rank's traceback in ``error-rank<r>.txt``), for jobs
+    that kill a rank or must own the group; no early kill after a failure
+    (fault tests let the other ranks fail by themselves), only at the
+    deadline."""
+    import _dist_pool
+
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     assert not (workdir / "rendezvous").exists()
+    if not own and _dist_pool.enabled():
+        pool = _dist_pool.get(world, COLLECTIVE_TIMEOUT.total_seconds())
+        ok, errors, why, seconds = pool.run(fn, workdir, args, deadline)
+        codes: List[Optional[int]] = [0] * world if ok else [None] * world
+        if not ok and not errors:
+            errors = {0: f"pooled job failed: {why}"}
+        return SpawnResult(world, workdir, codes, errors, seconds, killed=(why == "deadline"))
     res = launch(fn, world, str(workdir), *args, workdir=workdir, timeout=COLLECTIVE_TIMEOUT.total_seconds(),
                  deadline=deadline, grace=None, threads=1, torchrun=False)
     return SpawnResult(world, workdir, [res.exitcodes.get(r) for r in range(world)], dict(res.errors), res.seconds,
