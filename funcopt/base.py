@@ -12,7 +12,9 @@ A subclass declares, as class attributes:
 
 * ``torch_class``: the matching ``torch.optim`` class.  It is the oracle for
   defaults, hyperparameter validation (a throw-away instance on a one-element
-  tensor raises exactly torch's errors) and the state format.
+  tensor raises torch's errors, the key and value appended; the types and
+  lengths torch is lax about are funcopt's verdicts, ``funcopt/_hyper.py``)
+  and the state format.
 * ``core_class``: the scriptable core, constructed as ``core_class(slots)``.
 * ``slots``: state names in torch's order, each with the group flag that must
   be truthy for it to exist (``None`` = always), e.g. ``max_exp_avg_sq`` only
@@ -39,7 +41,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from . import _dtensor, state_format
+from . import _dtensor, _hyper, state_format
 from ._slots import Slots
 
 IMPLS = ("auto", "foreach", "fused")
@@ -102,11 +104,6 @@ def _compile_kernel_class(cls: type) -> None:
         ensure_interface()
         with quiet_jit():
             torch.jit.script(cls())  # an instance: compiles the class with its module's globals
-
-
-@functools.lru_cache(maxsize=None)
-def _torch_kwargs(cls: type) -> frozenset:
-    return frozenset(inspect.signature(cls.__init__).parameters) - {"self", "params"}
 
 
 class _Flag:
@@ -246,11 +243,11 @@ class Optimizer(torch.optim.Optimizer):
     def __init__(self, params: Any, defaults: Dict[str, Any], impl: str = "auto") -> None:
         if impl not in IMPLS:
             raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+        self._validate_hyper(defaults)
         if defaults.get("fused") and impl == "foreach":
             raise ValueError("fused=True conflicts with impl='foreach'")
         if defaults.get("foreach") and impl == "fused":
             raise ValueError("foreach=True conflicts with impl='fused'")
-        self._validate_hyper(defaults)
         if impl == "auto":
             impl = "fused" if defaults.get("fused") else "foreach" if defaults.get("foreach") else "auto"
         self.impl = impl
@@ -322,11 +319,11 @@ class Optimizer(torch.optim.Optimizer):
         return [p for g in self.param_groups for p in g["params"]]
 
     def _validate_hyper(self, group: Dict[str, Any]) -> None:
-        """Raise torch's own error for invalid hyperparameters."""
-        accepted = _torch_kwargs(self.torch_class)
-        kwargs = {k: v for k, v in group.items() if k in accepted}
-        probe = torch.zeros(self.probe_shape, requires_grad=True)
-        self.torch_class([probe], **kwargs)
+        """Refuse a group's invalid hyperparameters (``TypeError``/``ValueError``
+        naming the key and value; torch's own error and words for its range
+        checks), changing nothing: the one check every entry point runs
+        (funcopt/_hyper.py)."""
+        _hyper.validate(type(self), group)
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         """Add a param group, as ``torch.optim.Optimizer.add_param_group``."""
@@ -413,6 +410,7 @@ class Optimizer(torch.optim.Optimizer):
             if vals is not None:
                 slots.set_state(i, vals, True)
         self._hyper_cache = hyper
+        self._hyper_sig = [_hyper.signature(g) for g in self.param_groups]
         self._group_of = group_of
         self._structure = self._structure_key()
         self._install(slots)
@@ -580,14 +578,17 @@ class Optimizer(torch.optim.Optimizer):
         start = 0
         for g, group in enumerate(self.param_groups):
             n = len(group["params"])
-            flat = _flatten_hyper(group, self.hyper_codes)
+            try:
+                flat: Optional[Dict[str, float]] = _flatten_hyper(group, self.hyper_codes)
+            except (ValueError, TypeError):
+                flat = None  # a value the check below names
             cached = self._hyper_cache[g]
-            if flat == cached:
+            # the value types too (True -> "yes" is caught by the floats, 0.5 -> tensor([0.5]) only by
+            # this); not under torch.compile, whose traced types need not be Python's
+            sig = self._hyper_sig[g] if torch.compiler.is_compiling() else _hyper.signature(group)
+            if flat == cached and sig == self._hyper_sig[g]:
                 start += n
                 continue
-            missing = set(cached) - set(flat)
-            if missing:
-                raise ValueError(f"param_groups[{g}] lost hyperparameters {sorted(missing)}")
             if grads is not None and all(x is None for x in grads[start:start + n]):
                 try:
                     self._validate_hyper(group)
@@ -595,7 +596,12 @@ class Optimizer(torch.optim.Optimizer):
                     start += n
                     continue
             start += n
-            self._validate_hyper(group)
+            self._validate_hyper(group)  # before anything changes; names the key and the value
+            if flat is None:
+                flat = _flatten_hyper(group, self.hyper_codes)
+            missing = set(cached) - set(flat)
+            if missing:
+                raise ValueError(f"param_groups[{g}] lost hyperparameters {sorted(missing)}")
             reset = self._slots_switched_on(g, cached, flat)
             for i in reset:
                 self._slots.set_state(i, [torch.empty(0) for _ in self.slots], False)
@@ -604,6 +610,7 @@ class Optimizer(torch.optim.Optimizer):
                 if old is None or (old != v and not (math.isnan(v) and math.isnan(old))):
                     self._slots.set_hyper(g, k, v)
             self._hyper_cache[g] = flat
+            self._hyper_sig[g] = sig
 
     def _slots_switched_on(self, g: int, old: Dict[str, float], new: Dict[str, float]) -> List[int]:
         """Parameters whose state must restart because a flag now adds a slot.
@@ -625,8 +632,10 @@ class Optimizer(torch.optim.Optimizer):
             return []
         others = [name for name, cond in self.slots if name not in turned_on and (cond is None or old.get(cond, 0.0))]
         if others:
+            group = self.param_groups[g]
+            flags = ", ".join(f"{cond}={group.get(cond)!r}" for name, cond in self.slots if name in turned_on)
             raise ValueError(
-                f"param_groups[{g}]: cannot switch on the state {turned_on} after the first step "
+                f"param_groups[{g}]: {flags} cannot switch on the state {turned_on} after the first step "
                 f"(the group already has {others}); set it at construction"
             )
         return members
@@ -833,13 +842,12 @@ class Optimizer(torch.optim.Optimizer):
                     )
                 new = state_format.merge_group(saved, group, self.defaults)
                 try:
-                    self._validate_hyper(new)
+                    self._validate_hyper(new)  # the same verdict as the constructor's and step()'s
                 except (ValueError, RuntimeError, TypeError) as e:
-                    raise ValueError(f"{name}.load_state_dict: param group {g}: {e}") from None
-                for key, default in self.defaults.items():
-                    if isinstance(default, (tuple, list)) and (
-                            not isinstance(new[key], (tuple, list)) or len(new[key]) != len(default)):
-                        raise ValueError(f"{name}.load_state_dict: param group {g}: {key}={new[key]!r}")
+                    kind = TypeError if type(e) is TypeError else ValueError
+                    msg = str(e)
+                    msg = msg[len(name) + 2:] if msg.startswith(f"{name}: ") else msg
+                    raise kind(f"{name}.load_state_dict: param group {g}: {msg}") from None
                 new_groups.append(new)
             offsets = [0]
             for group in self.param_groups:
@@ -884,9 +892,18 @@ class Optimizer(torch.optim.Optimizer):
         names = [n for n, _ in self.slots]
         shapes = {n: self.slot_shape(n, p) for n in names}
         slots = [(n, on and shapes[n] is not None) for n, on in zip(names, self._present(group))]
-        return state_format.convert_entry(type(self).__name__, sid, p, entry, slots, fused,
-                                          shapes=shapes,
-                                          keep=bool(group.get("differentiable")))
+        try:
+            return state_format.convert_entry(type(self).__name__, sid, p, entry, slots, fused,
+                                              shapes=shapes,
+                                              keep=bool(group.get("differentiable")))
+        except ValueError as e:
+            # state names that a flag adds or removes: say which flag, as the group has it
+            have = set(entry) if isinstance(entry, dict) else set()
+            flags = [f"{cond}={group.get(cond)!r}" for (n, cond), (_, on) in zip(self.slots, slots)
+                     if cond is not None and (n in have) != on]
+            if not flags:
+                raise
+            raise ValueError(f"{e} (the group has {', '.join(flags)})") from None
 
     def _uses_fused(self, p: Tensor) -> bool:
         return self.impl != "foreach" and p.device.type in self.fused_devices and p.dtype in _FUSED_DTYPES

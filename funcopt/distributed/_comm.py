@@ -20,6 +20,15 @@ class DistributedError(RuntimeError):
     """A check failed on some rank; raised on every rank."""
 
 
+class DistributedValueError(DistributedError, ValueError):
+    """A :class:`DistributedError` whose every rank failed with a ``ValueError``
+    (e.g. a refused hyperparameter in a load): catchable as either."""
+
+
+class DistributedTypeError(DistributedError, TypeError):
+    """A :class:`DistributedError` whose every rank failed with a ``TypeError``."""
+
+
 def rank_and_size(group: Optional[Any]) -> tuple:
     return dist.get_rank(group), dist.get_world_size(group)
 
@@ -38,10 +47,14 @@ def digest(obj: Any) -> int:
     return int.from_bytes(h[:8], "little") & ((1 << 63) - 1)
 
 
-def agree(error: Optional[str], group: Optional[Any], what: str) -> None:
+def agree(error: Optional[str], group: Optional[Any], what: str, typed: bool = False) -> None:
     """Collective: raise ``DistributedError`` on every rank if any rank has an error.
 
     Call on every rank.  ``error`` is this rank's problem (``None`` when fine).
+    With ``typed``, ``error`` reads ``"ValueError: ..."`` (``"TypeError: ..."``)
+    where it is one, and when every failing rank's error is a ``ValueError``
+    (``TypeError``) the error raised is also one (:class:`DistributedValueError`,
+    :class:`DistributedTypeError`).
     """
     rank, world = rank_and_size(group)
     flag = torch.tensor([0 if error is None else 1], dtype=torch.int64, device=comm_device(group))
@@ -51,7 +64,11 @@ def agree(error: Optional[str], group: Optional[Any], what: str) -> None:
     errors: List[Optional[str]] = [None] * world
     dist.all_gather_object(errors, error, group=group)
     msgs = [f"rank {r}: {e}" for r, e in enumerate(errors) if e is not None]
-    raise DistributedError(f"{what} failed on {len(msgs)} of {world} ranks: " + "; ".join(msgs))
+    # every failing rank's error a ValueError (TypeError), as "ValueError: ...": catchable as one
+    kinds = {str(e).split(":", 1)[0] for e in errors if e is not None}
+    cls = {"ValueError": DistributedValueError, "TypeError": DistributedTypeError}.get(
+        kinds.pop() if typed and len(kinds) == 1 else "", DistributedError)
+    raise cls(f"{what} failed on {len(msgs)} of {world} ranks: " + "; ".join(msgs))
 
 
 def check_same(value: Any, group: Optional[Any], what: str) -> None:

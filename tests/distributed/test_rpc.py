@@ -1409,7 +1409,7 @@ def test_example_trainer_error_ends_in_bounded_time():
     seconds = time.monotonic() - t0
     assert r.returncode == 1, r.stdout + r.stderr
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
-    assert lines == ["rpc parameter server: FAILED: trainer1: ValueError: Invalid learning rate: -1.0"], r.stderr
+    assert lines == ["rpc parameter server: FAILED: trainer1: ValueError: Invalid learning rate: -1.0 (lr=-1.0)"], r.stderr
     assert seconds < 120, seconds
 
 

@@ -22,7 +22,7 @@ from torch import Tensor
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.profiler import record_function
 
-from ... import registry
+from ... import _hyper, registry
 from ... import state_format
 from .. import _comm, _local
 from . import _clip, checkpoint, forward_sync
@@ -356,7 +356,6 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
                 "ZeRO-2 with torch.amp.GradScaler: the scaler must reach ZeroRedundancyOptimizer.step as "
                 "grad_scaler= (a subclass overriding step() must accept and forward grad_scaler)")
         self._sync.wait_all()  # a sync still running (sync_in_forward, a forward that raised)
-        self._consolidated, self._all_state_dicts = False, None  # a consolidated state is of the past now
         params = self._params()
         local = self._state.optim
         loss = None
@@ -376,7 +375,9 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
                 with torch.no_grad():
                     self._sync.refresh_mine(params)
                     self._sync_groups(self.param_groups, local.param_groups)
-                    local.step(grads, **kwargs)
+                    local.step(grads, **kwargs)  # checks the hyperparameters first: refused, nothing stepped
+        # a consolidated state is of the past now (not before: a refused step changes nothing)
+        self._consolidated, self._all_state_dicts = False, None
         with record_function("funcopt::zero/sync_params"), torch.no_grad():
             if self._forward_syncs:  # waited for per module by the next forward
                 self._sync.start(params, updated_in_place=self._eager)
@@ -534,6 +535,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
         super().add_param_group(param_group)
         if self._state is not None:
             try:
+                if self.spec is not None:  # its hyperparameters, before the partition changes
+                    _hyper.validate(self.spec.cls, self.param_groups[-1])
                 self._rebuild(carry_state=True)  # checks agreement before changing anything
             except Exception:
                 del self.param_groups[-1]
@@ -635,7 +638,9 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
             staged = self._state.stage_full(state_dict, self.param_groups)
         except (ValueError, KeyError, TypeError, RuntimeError) as e:
             error = f"{type(e).__name__}: {e}"
-        _comm.agree(error, self.process_group, "ZeroRedundancyOptimizer.load_state_dict")
+        # typed: where every failing rank refused with a ValueError (TypeError: a hyperparameter of the
+        # wrong type, funcopt/_hyper.py), the error on every rank is also one
+        _comm.agree(error, self.process_group, "ZeroRedundancyOptimizer.load_state_dict", typed=True)
         assert staged is not None
         groups, local_staged = staged
         for group, saved in zip(self.param_groups, groups):
