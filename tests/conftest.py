@@ -67,6 +67,23 @@ def clone_params():
     return _clone
 
 
+@pytest.fixture
+def gloo_world_of_one(tmp_path):
+    """This process as a gloo world of one (``file://`` rendezvous, a 30 s bound on
+    every collective), for construction-time and single-rank checks of the
+    distributed layers without spawning; ``destroy_process_group`` in ``finally``."""
+    import datetime
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=30))
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.fixture(scope="module")
 def single_thread():
     """One intra-op thread for a module of tiny-tensor tests: on a shared

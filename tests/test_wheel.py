@@ -40,22 +40,28 @@ def _env(tmp: Path) -> dict:
     return env
 
 
-@pytest.fixture(scope="module")
-def installed(tmp_path_factory):
-    """(funcopt executable, venv python, env, cwd outside the source tree)."""
-    tmp = tmp_path_factory.mktemp("wheel")
+def _build_wheel(tmp: Path, env: dict, *extra: str) -> Path:
+    """``pip wheel --no-deps`` of a copy of the package sources (the checkout gets no build/ or egg-info)."""
     src = tmp / "src"
     src.mkdir()
     shutil.copytree(ROOT / "funcopt", src / "funcopt", ignore=shutil.ignore_patterns("__pycache__"))
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, src / name)
-    env = _env(tmp)
     dist = tmp / "dist"
-    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(dist), str(src)],
+    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", *extra, "-q", "-w", str(dist), str(src)],
                        env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
     wheels = list(dist.glob("funcopt-*.whl"))
     assert len(wheels) == 1, wheels
+    return wheels[0]
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory):
+    """(funcopt executable, venv python, env, cwd outside the source tree)."""
+    tmp = tmp_path_factory.mktemp("wheel")
+    env = _env(tmp)
+    wheels = [_build_wheel(tmp, env)]
     vdir = tmp / "venv"
     venv.EnvBuilder(with_pip=True, system_site_packages=False, clear=True).create(vdir)
     py = vdir / "bin" / "python"
@@ -147,17 +153,8 @@ def test_wheel_runs_in_place(tmp_path):
     every module of the package and the ``funcopt`` entry point, and, unpacked
     into an empty directory outside the source tree, imports and runs
     ``funcopt --version`` against the installed torch."""
-    src = tmp_path / "src"
-    src.mkdir()
-    shutil.copytree(ROOT / "funcopt", src / "funcopt", ignore=shutil.ignore_patterns("__pycache__"))
-    for name in ("pyproject.toml", "README.md"):
-        shutil.copy(ROOT / name, src / name)
     env = _env(tmp_path)
-    dist = tmp_path / "dist"
-    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
-                        str(dist), str(src)], env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout + r.stderr
-    (wheel,) = dist.glob("funcopt-*.whl")
+    wheel = _build_wheel(tmp_path, env, "--no-build-isolation")
     import zipfile
 
     names = set(zipfile.ZipFile(wheel).namelist())

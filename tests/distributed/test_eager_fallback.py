@@ -15,7 +15,6 @@ worker that owns the parameters for ``DistributedOptimizer``.
 """
 from __future__ import annotations
 
-import datetime
 import warnings
 from typing import Any, Callable, List
 
@@ -85,16 +84,6 @@ def _close(got: List[torch.Tensor], want: List[torch.Tensor], exact: bool, what:
 
 
 # ------------------------------------------------------------------ ZeRO
-@pytest.fixture
-def gloo_world_of_one(tmp_path):
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1,
-                            timeout=datetime.timedelta(seconds=60))
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 def _zero_run(stage: int) -> tuple:
     params = _params()
     opt = ZeroRedundancyOptimizer(params, torch.optim.Adam, zero_stage=stage, **HYPER)

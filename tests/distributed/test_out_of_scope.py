@@ -15,7 +15,6 @@ In-process, W=1: a gloo group of one rank and one TensorPipe RPC worker.
 """
 from __future__ import annotations
 
-import datetime
 from typing import Any, List
 
 import pytest
@@ -62,16 +61,6 @@ def _assert_refusal(err: pytest.ExceptionInfo, where: str, base: str) -> None:
 def _params() -> List[torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     return [torch.randn(4, 3, generator=g).requires_grad_(), torch.randn(5, generator=g).requires_grad_()]
-
-
-@pytest.fixture
-def gloo_world_of_one(tmp_path):
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1,
-                            timeout=datetime.timedelta(seconds=30))
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _forbid_collectives(monkeypatch: pytest.MonkeyPatch) -> None:
