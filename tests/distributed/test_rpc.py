@@ -1092,7 +1092,9 @@ def test_bad_arguments_fail_at_construction_on_the_trainer(job):
     expect("unknown_name", "ValueError", "NoSuchOptimizer")
     for key in ("negative_lr", "bad_beta", "bad_momentum"):
         msg, _ = expect(key, "ValueError")
-        assert msg == torch_msgs[key], (key, msg, torch_msgs[key])  # torch's own message, verbatim
+        # torch's own message, verbatim, then the key and value funcopt's check names (funcopt/_hyper.py)
+        assert msg.startswith(torch_msgs[key]), (key, msg, torch_msgs[key])
+        assert re.fullmatch(r" \(\w+=.+\)", msg[len(torch_msgs[key]):]), (key, msg)
         assert "WorkerInfo" not in msg  # raised on the trainer, not relayed from a worker
     expect("unknown_kwarg", "TypeError", "bogus")
     expect("empty", "ValueError", "empty")
@@ -1104,7 +1106,8 @@ def test_bad_arguments_fail_at_construction_on_the_trainer(job):
         assert reason in cause, (key, got[key])  # torch's / funcopt's reason, chained
         assert seconds < RPC_TIMEOUT, (key, seconds)
     k, msg = got["negative_lr_between_steps"][:2]
-    assert k == "ValueError" and msg == torch_msgs["negative_lr"].replace("-1.0", "-3.0"), got["negative_lr_between_steps"]
+    assert k == "ValueError" and msg == torch_msgs["negative_lr"].replace("-1.0", "-3.0") + " (lr=-3.0)", \
+        got["negative_lr_between_steps"]
     assert got["unchanged_after_refused_step"]
 
 
