@@ -10,6 +10,8 @@ numbers are bitwise those of DDP + ``optimizer.step()``.
 """
 from __future__ import annotations
 
+import weakref
+
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -36,8 +38,14 @@ class DDPStepHook:
             raise TypeError(f"ddp_step_hook expects a DistributedDataParallel model, got {type(ddp_model).__name__}")
         self._stepper = _Stepper(optimizer, "funcopt.distributed.ddp_step_hook")
         self.optimizer = optimizer
-        self.group = ddp_model.process_group
-        self.world = dist.get_world_size(self.group)
+        # The model, not its process group, and weakly: the futures' callbacks close
+        # over this state, and a gloo worker thread drops them after the last
+        # collective; had they held the group, a process exiting could drop its last
+        # reference there, and the group's destructor then joins that very thread
+        # (std::terminate, "Resource deadlock avoided", exit code -6).  DDP holds
+        # the group and this state; nothing here keeps either alive.
+        self._ddp = weakref.ref(ddp_model)
+        self.world = dist.get_world_size(ddp_model.process_group)
         self.find_unused = bool(ddp_model.find_unused_parameters)
         self.grad_scaler = grad_scaler if grad_scaler is not None and grad_scaler.is_enabled() else None
         self.steps = 0
@@ -49,6 +57,14 @@ class DDPStepHook:
         except BaseException:
             self._stepper.remove()
             raise
+
+    @property
+    def group(self) -> Any:
+        """The DDP model's process group (the hook runs only while the model lives)."""
+        ddp = self._ddp()
+        if ddp is None:
+            raise RuntimeError("funcopt.distributed.ddp_step_hook: the DDP model is gone")
+        return ddp.process_group
 
     def remove(self) -> None:
         """Stop stepping: the hook then only all-reduces (DDP cannot unregister a
