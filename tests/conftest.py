@@ -84,6 +84,20 @@ def gloo_world_of_one(tmp_path):
         dist.destroy_process_group()
 
 
+@pytest.fixture
+def rpc_world_of_one(tmp_path):
+    """This process as an RPC world of one (``worker0``, TensorPipe, ``file://``
+    rendezvous, a 30 s bound on every RPC); ``rpc.shutdown`` in ``finally``."""
+    import torch.distributed.rpc as rpc
+
+    opts = rpc.TensorPipeRpcBackendOptions(init_method=f"file://{tmp_path / 'rpc-rendezvous'}", rpc_timeout=30)
+    rpc.init_rpc("worker0", rank=0, world_size=1, rpc_backend_options=opts)
+    try:
+        yield
+    finally:
+        rpc.shutdown()
+
+
 @pytest.fixture(scope="module")
 def single_thread():
     """One intra-op thread for a module of tiny-tensor tests: on a shared

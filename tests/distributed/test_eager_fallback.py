@@ -136,16 +136,6 @@ _REAL_SCRIPT: Callable[..., Any] = torch.jit.script
 
 
 # ------------------------------------------------------------------- RPC
-@pytest.fixture
-def rpc_world_of_one(tmp_path):
-    opts = rpc.TensorPipeRpcBackendOptions(init_method=f"file://{tmp_path / 'rpc-rendezvous'}", rpc_timeout=60)
-    rpc.init_rpc("worker0", rank=0, world_size=1, rpc_backend_options=opts)
-    try:
-        yield
-    finally:
-        rpc.shutdown()
-
-
 def _rpc_run() -> List[torch.Tensor]:
     params = _params()
     opt = DistributedOptimizer(torch.optim.Adam, [rpc.RRef(p) for p in params], **HYPER)

@@ -152,16 +152,6 @@ def test_zero3_checkpoint_refuses_the_optimizer(gloo_world_of_one, monkeypatch, 
 
 
 # ------------------------------------------------------------------ RPC
-@pytest.fixture
-def rpc_world_of_one(tmp_path):
-    opts = rpc.TensorPipeRpcBackendOptions(init_method=f"file://{tmp_path / 'rpc-rendezvous'}", rpc_timeout=30)
-    rpc.init_rpc("worker0", rank=0, world_size=1, rpc_backend_options=opts)
-    try:
-        yield
-    finally:
-        rpc.shutdown()
-
-
 def test_rpc_refuses_before_any_rpc(rpc_world_of_one, monkeypatch):
     rrefs = [rpc.RRef(p) for p in _params()]
 
