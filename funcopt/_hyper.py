@@ -277,23 +277,20 @@ def validate(cls: type, group: Mapping[str, Any]) -> None:
             check_code(owner, key, group[key], codes[key])
 
 
-def signature(group: Mapping[str, Any]) -> str:
+def signature(group: Mapping[str, Any]) -> Tuple[Any, ...]:
     """What, besides the float values, makes two groups' hyperparameters differ for
     :func:`validate`: each value's type (and a tuple's element types, a
-    tensor's dimension).  The step path re-validates a group when its floats
-    *or* this changed (``True`` -> ``1``, ``0.5`` -> ``tensor([0.5])``)."""
-    out = ""  # a string: torch.compile traces this on every step, and compares strings soundly
-    for k, v in group.items():
-        if k in _NOT_HYPER:
-            continue
-        if isinstance(v, (tuple, list)):
-            out += f"{k}:{type(v).__name__}(" + ",".join(_of(x) for x in v) + ");"
-        else:
-            out += f"{k}:{_of(v)};"
-    return out
+    tensor's dimension and dtype).  The step path re-validates a group when its
+    floats *or* this changed (``True`` -> ``1``, ``0.5`` -> ``tensor([0.5])``).
+    Runs at every eager step (not under torch.compile): a tuple of types, no
+    string building."""
+    return tuple(_of(v) for k, v in group.items() if k not in _NOT_HYPER)
 
 
-def _of(v: Any) -> str:
-    if isinstance(v, Tensor):
-        return f"Tensor{v.dim()}{v.dtype}"
-    return type(v).__name__
+def _of(v: Any) -> Any:
+    t = type(v)
+    if t is Tensor or isinstance(v, Tensor):
+        return (t, v.dim(), v.dtype)
+    if t is tuple or t is list:
+        return (t,) + tuple(_of(x) for x in v)
+    return t
