@@ -41,10 +41,10 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from . import _dtensor, _hyper, state_format
+from . import _dtensor, _hyper, native as _native, state_format
 from ._slots import Slots
 
-IMPLS = ("auto", "foreach", "fused")
+IMPLS = ("auto", "foreach", "fused", "native")
 _FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # torch's own group keys that choose torch's implementation; we keep them in
 # param_groups (the state_dict format) but they do not feed the core.
@@ -232,6 +232,10 @@ class Optimizer(torch.optim.Optimizer):
     hyper_codes: Dict[str, Dict[Any, float]] = {}  # non-numeric options -> floats for the core
     whole_params: bool = False  # the rule needs each parameter whole (ZeRO: no flat partition)
     probe_shape: Tuple[int, ...] = (1,)  # a parameter torch_class accepts (Muon: 2-D), to ask it about options
+    # the native one-pass rule (funcopt/optimizers/<name>.cpp, funcopt.native): its name and the
+    # hyperparameters it reads, in order; None: the algorithm has none (an ATen fused kernel, or a
+    # whole-parameter rule)
+    native_rule: Optional[Tuple[str, Tuple[str, ...]]] = None
 
     @classmethod
     def slot_shape(cls, name: str, p: Tensor) -> Optional[Tuple[int, ...]]:
@@ -243,6 +247,8 @@ class Optimizer(torch.optim.Optimizer):
     def __init__(self, params: Any, defaults: Dict[str, Any], impl: str = "auto") -> None:
         if impl not in IMPLS:
             raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+        if impl == "native" and self.native_rule is None:
+            raise ValueError(f"{type(self).__name__} has no native rule (impl='native'); use impl='auto'")
         self._validate_hyper(defaults)
         if defaults.get("fused") and impl == "foreach":
             raise ValueError("fused=True conflicts with impl='foreach'")
@@ -269,6 +275,8 @@ class Optimizer(torch.optim.Optimizer):
         d["_structure"] = ()
         d["_epoch"] = -1
         d["_fused_unavailable"] = None
+        d["_native"] = False  # the core's kernel is a NativeKernel (some bucket runs the native rule)
+        d["_portable"] = None  # opt.core when _native: the same slots, ATen ops only
         d["_dup_error"] = None
         d["_state_at_construction"] = False
         d["_dt"] = None  # DTensor parameters: the local shards the core steps (funcopt/_dtensor.py)
@@ -350,11 +358,16 @@ class Optimizer(torch.optim.Optimizer):
         fused: List[bool] = []
         unavailable: List[int] = []
         message = None
+        native = self._native_available(params)
+        self._native = False
         for i, p in enumerate(params):
             key = (group_of[i], str(p.device), p.dtype)
             if key not in keys:
                 keys[key] = len(buckets)
                 can_fuse = (p.device.type in self.fused_devices and p.dtype in _FUSED_DTYPES)
+                if native and p.device.type == "cpu" and p.dtype in _native.NATIVE_DTYPES:
+                    can_fuse = True  # the bucket's fast path: the native rule
+                    self._native = True
                 if self.impl == "fused" and not can_fuse and message is None:
                     message = (
                         "`fused=True` requires all the params to be floating point Tensors of supported "
@@ -369,6 +382,36 @@ class Optimizer(torch.optim.Optimizer):
         # torch.optim raises this at the first step that has such a gradient, not at construction
         self._fused_unavailable = (unavailable, message) if unavailable else None
         return buckets, fused
+
+    def _native_available(self, params: List[Tensor]) -> bool:
+        """Whether this optimizer's buckets may run its native rule: it has one,
+        ``impl`` allows it, a parameter could take it, and the library loads
+        (built on first use; ``impl='native'`` makes a failure an error)."""
+        if self.native_rule is None or self.impl not in ("auto", "native"):
+            return False
+        if not any(p.device.type == "cpu" and p.dtype in _native.NATIVE_DTYPES for p in params):
+            return False
+        if _native.load() is not None:
+            return True
+        if self.impl == "native":
+            raise RuntimeError(f"{type(self).__name__}(impl='native'): funcopt's native kernels are unavailable: "
+                               f"{_native.status()['error']}")
+        return False
+
+    def _kernel(self) -> Any:
+        """A fresh kernel for the core: the class's own, or (when a bucket runs
+        the native rule) a NativeKernel over it."""
+        if not self._native:
+            return self.kernel_class()
+        from .optimizers._core import NativeKernel
+
+        rule, keys = self.native_rule
+        base = self.kernel_class()
+        if self._scripted:
+            from .script import script_object
+
+            base = script_object(base)
+        return NativeKernel(base, rule, list(keys))
 
     def _structure_key(self) -> Tuple[Any, ...]:
         return tuple((g, g["params"], len(g["params"])) for g in self.param_groups)
@@ -456,17 +499,19 @@ class Optimizer(torch.optim.Optimizer):
             if not isinstance(slots, torch.jit.RecursiveScriptClass):
                 self._make_core(slots, self.kernel_class())  # eager constructor work (Adagrad's initial state)
                 slots = script_object(slots)
-            core = script_object(self._make_core(slots, script_object(self.kernel_class())))
+            core = script_object(self._make_core(slots, script_object(self._kernel())))
         else:
-            core = self._make_core(slots, self.kernel_class())
+            core = self._make_core(slots, self._kernel())
         self._slots = slots
         self._core = core
+        self._portable = None
         self._epoch = -1
 
     def _make_core(self, slots: Any, kernel: Any) -> Any:
         from .optimizers._core import Core
 
-        return Core(slots, kernel, self.sparse_msg, self.split_first, self.init_at_construction)
+        return Core(slots, kernel, self.sparse_msg, self.split_first, self.init_at_construction,
+                    self.native_rule is None)
 
     def _script(self) -> None:
         with self._lock:
@@ -501,8 +546,34 @@ class Optimizer(torch.optim.Optimizer):
         already known to TorchScript."""
         with self._lock:
             self._prepare(refresh=True)
-            if not self._scripted:
-                _compile_kernel_class(type(self._core.kernel))
+            if not self._native:
+                if not self._scripted:
+                    _compile_kernel_class(type(self._core.kernel))
+                return self._core
+            if self._portable is None:
+                # the same slots, stepped with the foreach formula: ATen ops only
+                if self._scripted:
+                    from .optimizers._core import ensure_interface
+                    from .script import script_object
+
+                    ensure_interface()
+                    self._portable = script_object(self._make_core(self._slots, script_object(self.kernel_class())))
+                else:
+                    _compile_kernel_class(self.kernel_class)
+                    self._portable = self._make_core(self._slots, self.kernel_class())
+            return self._portable
+
+    @property
+    def step_core(self) -> Any:
+        """The core ``step`` runs (a TorchScript object after ``funcopt.script``).
+
+        Unlike :attr:`core` it may call funcopt's native op
+        (``torch.ops.funcopt.step_``, :mod:`funcopt.native`): for stepping in
+        this process (the RPC optimizer's workers, hooks), not for saving in a
+        module that must load without funcopt.  The same thread-safety rules as
+        :attr:`core` apply."""
+        with self._lock:
+            self._prepare(refresh=True)
             return self._core
 
     # -------------------------------------------------------- synchronization

@@ -98,13 +98,62 @@ def ensure_interface() -> None:
             torch.jit.interface(Kernel)
 
 
+class NativeKernel:
+    """An algorithm's kernel with its native one-pass rule on the fast path.
+
+    Holds the algorithm's own kernel (``base``) for everything but the fast
+    path: state, checks, the foreach formula (strided tensors, other dtypes
+    and devices) and the per-tensor formula.  On a bucket flagged fast
+    (``fused``: CPU, float32/float64, contiguous) it calls
+    ``torch.ops.funcopt.step_`` (:mod:`funcopt.native`) with the state slots
+    flattened slot-major and the hyperparameters named by ``keys``, in the
+    order the C++ rule reads them.  The core gives it unscaled, checked
+    gradients (``Core.fused_amp`` is False).
+    """
+
+    def __init__(self, base: Kernel, rule: str, keys: List[str]) -> None:
+        self.base = base
+        self.rule = rule
+        self.keys = keys
+        self.name = rule
+
+    def init(self, p: Tensor, fused: bool, h: Dict[str, float]) -> List[Tensor]:
+        return self.base.init(p, fused, h)
+
+    def check(self, params: List[Tensor], idx: List[int], grads: List[Tensor], h: Dict[str, float],
+              odd: bool) -> None:
+        self.base.check(params, idx, grads, h, odd)
+
+    def dense(self, params: List[Tensor], grads: List[Tensor], state: List[List[Tensor]],
+              h: Dict[str, float], fused: bool, first: bool, grad_scale: Optional[Tensor],
+              found_inf: Optional[Tensor]) -> None:
+        if not fused:
+            self.base.dense(params, grads, state, h, False, first, grad_scale, found_inf)
+            return
+        flat: List[Tensor] = []
+        for col in state:
+            flat.extend(col)
+        hyper: List[float] = []
+        for k in self.keys:
+            hyper.append(h[k])
+        torch.ops.funcopt.step_(self.rule, params, grads, flat, hyper, grad_scale, found_inf)
+
+    def single(self, params: List[Tensor], grads: List[Tensor], state: List[List[Tensor]],
+               h: Dict[str, float], first: bool) -> List[List[Tensor]]:
+        return self.base.single(params, grads, state, h, first)
+
+
 class Core:
     """Scriptable state and step of one optimizer: a :class:`Slots` and a kernel."""
 
     def __init__(self, slots: Slots, kernel: Kernel, sparse_msg: str, split_first: bool,
-                 init_at_construction: bool):
+                 init_at_construction: bool, fused_amp: bool = True):
         self.slots = slots
         self.kernel = kernel
+        # False: the bucket's fast path (a native rule) gets unscaled, checked
+        # gradients like the foreach path; True: an ATen fused kernel takes
+        # grad_scale / found_inf itself
+        self.fused_amp = fused_amp
         self.sparse_msg = sparse_msg
         self.split_first = split_first
         if init_at_construction:
@@ -189,7 +238,7 @@ class Core:
         if len(idx) == 0:
             return
         s = self.slots
-        if not fused:
+        if not fused or not self.fused_amp:
             if skip_step(found_inf):
                 return
             grads = unscale(grads, grad_scale)
@@ -210,7 +259,7 @@ class Core:
                 if len(col) > 0 and col[0].is_complex():
                     state[k] = s.keep(real_views(col))
         self.kernel.dense(params, grads, state, h, fused, first, grad_scale, found_inf)
-        if fused and found_inf is not None and s.step_slot >= 0:
+        if fused and self.fused_amp and found_inf is not None and s.step_slot >= 0:
             # found_inf is 0.0 or 1.0 (found_inf_flag): undo the bump on a skipped step
             steps = state[s.step_slot]
             torch._foreach_sub_(steps, [found_inf for _ in steps])

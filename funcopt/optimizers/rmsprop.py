@@ -157,7 +157,10 @@ class RMSprop(Optimizer):
       maximize: ascend instead of descend (default ``False``).
       differentiable: run the step with autograd (eager only, torch's single-tensor
         formula, as ``torch.optim``; ``funcopt.script`` refuses it).
-      impl: ``"auto"`` or ``"foreach"`` (torch has no fused RMSprop kernel).
+      impl: ``"auto"`` (the native one-pass rule, ``rmsprop.cpp``, for float32/float64
+        CPU tensors where :mod:`funcopt.native` loads; else foreach), ``"native"``
+        (the same, an error where the library is unavailable) or ``"foreach"``
+        (torch's foreach formula: bitwise ``torch.optim.RMSprop(foreach=True)``).
 
     Example::
 
@@ -174,6 +177,7 @@ class RMSprop(Optimizer):
     sparse_msg = "RMSprop does not support sparse gradients"
     slots = (("step", None), ("square_avg", None), ("momentum_buffer", "momentum"), ("grad_avg", "centered"))
     fused_devices = ()
+    native_rule = ("rmsprop", ("lr", "alpha", "eps", "weight_decay", "momentum", "centered", "maximize"))
 
     def __init__(self, params: Any, lr: Any = 1e-2, alpha: float = 0.99, eps: float = 1e-8,
                  weight_decay: float = 0, momentum: float = 0, centered: bool = False,

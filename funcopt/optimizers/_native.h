@@ -1,0 +1,54 @@
+// funcopt native one-pass optimizer steps: shared declarations.
+#pragma once
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <cmath>
+#include <string>
+#include <vector>
+
+namespace funcopt {
+
+// One update rule over aligned lists (one device, one dtype): params[j],
+// grads[j], state[k * n + j] (slot k of parameter j; absent slots hold empty
+// tensors), hyper (the rule's hyperparameters, in its Python spec's order).
+// Every tensor has been checked (CPU, contiguous, the list's dtype) by the op.
+using Rule = void (*)(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+                      const std::vector<at::Tensor>& state, const std::vector<double>& hyper);
+
+struct RuleInfo {
+  Rule fn;
+  int64_t num_slots;
+  int64_t num_hyper;
+};
+
+bool register_rule(const std::string& name, RuleInfo info);
+
+// Elementwise loop over [0, n), split across intra-op threads in chunks that
+// stay in cache; f(begin, end) runs the rule's inner loop.
+template <typename F>
+inline void chunks(int64_t n, const F& f) {
+  at::parallel_for(0, n, 1 << 15, f);
+}
+
+// torch's lerp, as its CPU kernel computes it (two forms, by the weight)
+template <typename T>
+inline T lerp(T a, T b, T w) {
+  return std::abs(w) < T(0.5) ? a + w * (b - a) : b - (b - a) * (T(1) - w);
+}
+
+}  // namespace funcopt
+
+#define FUNCOPT_RULE(name, fn, slots, hyper) \
+  static bool funcopt_rule_##fn = ::funcopt::register_rule(name, ::funcopt::RuleInfo{&fn, slots, hyper})
+
+// Compile-time flags, so each variant's inner loop has no branches and vectorizes.
+#define FUNCOPT_BOOL(cond, NAME, ...) \
+  [&] {                               \
+    if (cond) {                       \
+      constexpr bool NAME = true;     \
+      return __VA_ARGS__();           \
+    } else {                          \
+      constexpr bool NAME = false;    \
+      return __VA_ARGS__();           \
+    }                                 \
+  }()

@@ -1,0 +1,57 @@
+// RMSprop in one pass per element: the foreach formula of rmsprop.py, op for op.
+#include "_native.h"
+#include <cmath>
+
+namespace {
+
+template <typename T, bool centered, bool maximize, bool decay, bool momentum>
+void rmsprop_tensor(T* __restrict p, const T* __restrict g, T* __restrict v, T* __restrict a,
+                    T* __restrict b, int64_t n, T lr, T alpha, T eps, T wd, T mom) {
+  const T one_m_alpha = T(1) - alpha;
+  funcopt::chunks(n, [&](int64_t lo, int64_t hi) {
+    for (int64_t i = lo; i < hi; ++i) {
+      T gi = maximize ? -g[i] : g[i];
+      if (decay) gi = gi + wd * p[i];
+      T vi = v[i] * alpha;
+      vi = vi + one_m_alpha * gi * gi;
+      v[i] = vi;
+      T d;
+      if (centered) {
+        T ai = funcopt::lerp(a[i], gi, one_m_alpha);
+        a[i] = ai;
+        d = std::sqrt(vi - ai * ai) + eps;
+      } else {
+        d = std::sqrt(vi) + eps;
+      }
+      if (momentum) {
+        T bi = b[i] * mom + gi / d;
+        b[i] = bi;
+        p[i] = p[i] - lr * bi;
+      } else {
+        p[i] = p[i] - lr * (gi / d);
+      }
+    }
+  });
+}
+
+void rmsprop(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+             const std::vector<at::Tensor>& state, const std::vector<double>& h) {
+  const size_t n = params.size();
+  // hyper: lr, alpha, eps, weight_decay, momentum, centered, maximize
+  for (size_t j = 0; j < n; ++j) {
+    AT_DISPATCH_FLOATING_TYPES(params[j].scalar_type(), "funcopt::rmsprop", [&] {
+      FUNCOPT_BOOL(h[5] != 0, C, [&] { FUNCOPT_BOOL(h[6] != 0, M, [&] { FUNCOPT_BOOL(h[3] != 0, D, [&] { FUNCOPT_BOOL(h[4] > 0, B, [&] {
+      rmsprop_tensor<scalar_t, C, M, D, B>(params[j].data_ptr<scalar_t>(), grads[j].data_ptr<scalar_t>(),
+                               state[1 * n + j].data_ptr<scalar_t>(),
+                               h[5] != 0 ? state[3 * n + j].data_ptr<scalar_t>() : nullptr,
+                               h[4] > 0 ? state[2 * n + j].data_ptr<scalar_t>() : nullptr,
+                               params[j].numel(), scalar_t(h[0]), scalar_t(h[1]), scalar_t(h[2]),
+                               scalar_t(h[3]), scalar_t(h[4]));
+      }); }); }); });
+    });
+  }
+}
+
+}  // namespace
+
+FUNCOPT_RULE("rmsprop", rmsprop, 4, 7);
