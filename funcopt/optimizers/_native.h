@@ -30,11 +30,31 @@ inline void chunks(int64_t n, const F& f) {
   at::parallel_for(0, n, 1 << 15, f);
 }
 
-// torch's lerp, as its CPU kernel computes it (two forms, by the weight)
+// torch's CPU kernels (its AVX2/AVX512 builds: at::vec fmadd is one rounding),
+// element by element, so a rule written with these rounds as the foreach
+// formula does.  Scalars are computed in double (as Python does) and cast to T
+// once, outside the loop: pass them in, never compute (1 - beta) in T.
+//   torch.add(a, b, alpha=s) / torch.sub(a, b, alpha=s): add_alpha(a, b, s) / add_alpha(a, b, -s)
+template <typename T>
+inline T add_alpha(T a, T b, T alpha) {
+  return std::fma(b, alpha, a);
+}
+//   torch.lerp(a, b, w)
 template <typename T>
 inline T lerp(T a, T b, T w) {
-  return std::abs(w) < T(0.5) ? a + w * (b - a) : b - (b - a) * (T(1) - w);
+  return std::abs(w) < T(0.5) ? std::fma(w, b - a, a) : std::fma(w - T(1), b - a, b);
 }
+//   torch.addcmul(a, b, c, value=v)
+template <typename T>
+inline T addcmul(T a, T b, T c, T v) {
+  return std::fma(v * b, c, a);
+}
+//   torch.addcdiv(a, b, c, value=v)
+template <typename T>
+inline T addcdiv(T a, T b, T c, T v) {
+  return a + (v * b) / c;
+}
+// mul, div, sqrt, maximum, neg, abs: plain C++ (one rounding each, as torch).
 
 }  // namespace funcopt
 

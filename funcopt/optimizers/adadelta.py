@@ -129,7 +129,11 @@ class Adadelta(Optimizer):
       maximize: ascend instead of descend (default ``False``).
       differentiable: run the step with autograd (eager only, torch's single-tensor
         formula, as ``torch.optim``; ``funcopt.script`` refuses it).
-      impl: ``"auto"`` or ``"foreach"`` (torch has no fused Adadelta kernel).
+      impl: ``"auto"`` (the native one-pass rule, ``adadelta.cpp``, for float32/float64
+        CPU tensors where :mod:`funcopt.native` loads; else foreach), ``"native"``
+        (the same, an error where the library is unavailable) or ``"foreach"``
+        (torch's foreach formula: bitwise ``torch.optim.Adadelta(foreach=True)``;
+        torch has no fused Adadelta kernel).
 
     Example::
 
@@ -146,6 +150,7 @@ class Adadelta(Optimizer):
     sparse_msg = "Adadelta does not support sparse gradients"
     slots = (("step", None), ("square_avg", None), ("acc_delta", None))
     fused_devices = ()
+    native_rule = ("adadelta", ("lr", "rho", "eps", "weight_decay", "maximize"))
 
     def __init__(self, params: Any, lr: Any = 1.0, rho: float = 0.9, eps: float = 1e-6,
                  weight_decay: float = 0, foreach: Optional[bool] = None, *, capturable: bool = False,

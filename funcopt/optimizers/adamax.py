@@ -136,7 +136,11 @@ class Adamax(Optimizer):
       differentiable: run the step with autograd (eager only, torch's single-tensor
         formula, as ``torch.optim``; ``funcopt.script`` refuses it).
       capturable: accepted and recorded for state-dict compatibility.
-      impl: ``"auto"`` or ``"foreach"`` (torch has no fused Adamax kernel).
+      impl: ``"auto"`` (the native one-pass rule, ``adamax.cpp``, for float32/float64
+        CPU tensors where :mod:`funcopt.native` loads; else foreach), ``"native"``
+        (the same, an error where the library is unavailable) or ``"foreach"``
+        (torch's foreach formula: bitwise ``torch.optim.Adamax(foreach=True)``;
+        torch has no fused Adamax kernel).
 
     Example::
 
@@ -153,6 +157,7 @@ class Adamax(Optimizer):
     sparse_msg = "Adamax does not support sparse gradients"
     slots = (("step", None), ("exp_avg", None), ("exp_inf", None))
     fused_devices = ()
+    native_rule = ("adamax", ("lr", "betas0", "betas1", "eps", "weight_decay", "maximize"))
 
     def __init__(self, params: Any, lr: Any = 2e-3, betas: Tuple[Any, Any] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0, foreach: Optional[bool] = None, *, maximize: bool = False,

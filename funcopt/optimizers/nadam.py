@@ -199,7 +199,11 @@ class NAdam(Optimizer):
       capturable: accepted and recorded for state-dict compatibility.
       differentiable: run the step with autograd (eager only, torch's single-tensor
         formula, as ``torch.optim``; ``funcopt.script`` refuses it).
-      impl: ``"auto"`` or ``"foreach"`` (torch has no fused NAdam kernel).
+      impl: ``"auto"`` (the native one-pass rule, ``nadam.cpp``, for float32/float64
+        CPU tensors where :mod:`funcopt.native` loads; else foreach), ``"native"``
+        (the same, an error where the library is unavailable) or ``"foreach"``
+        (torch's foreach formula: bitwise ``torch.optim.NAdam(foreach=True)``;
+        torch has no fused NAdam kernel).
 
     Example::
 
@@ -216,6 +220,8 @@ class NAdam(Optimizer):
     sparse_msg = "NAdam does not support sparse gradients"
     slots = (("step", None), ("mu_product", None), ("exp_avg", None), ("exp_avg_sq", None))
     fused_devices = ()
+    native_rule = ("nadam", ("lr", "betas0", "betas1", "eps", "weight_decay", "momentum_decay",
+                             "decoupled_weight_decay", "maximize"))
 
     @classmethod
     def slot_shape(cls, name: str, p: Tensor) -> Optional[Tuple[int, ...]]:

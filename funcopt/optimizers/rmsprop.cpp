@@ -6,29 +6,28 @@ namespace {
 
 template <typename T, bool centered, bool maximize, bool decay, bool momentum>
 void rmsprop_tensor(T* __restrict p, const T* __restrict g, T* __restrict v, T* __restrict a,
-                    T* __restrict b, int64_t n, T lr, T alpha, T eps, T wd, T mom) {
-  const T one_m_alpha = T(1) - alpha;
+                    T* __restrict b, int64_t n, T lr, T alpha, T one_m_alpha, T eps, T wd, T mom) {
   funcopt::chunks(n, [&](int64_t lo, int64_t hi) {
     for (int64_t i = lo; i < hi; ++i) {
       T gi = maximize ? -g[i] : g[i];
-      if (decay) gi = gi + wd * p[i];
+      if (decay) gi = funcopt::add_alpha(gi, p[i], wd);
       T vi = v[i] * alpha;
-      vi = vi + one_m_alpha * gi * gi;
+      vi = funcopt::addcmul(vi, gi, gi, one_m_alpha);
       v[i] = vi;
       T d;
       if (centered) {
         T ai = funcopt::lerp(a[i], gi, one_m_alpha);
         a[i] = ai;
-        d = std::sqrt(vi - ai * ai) + eps;
+        d = std::sqrt(funcopt::addcmul(vi, ai, ai, T(-1))) + eps;
       } else {
         d = std::sqrt(vi) + eps;
       }
       if (momentum) {
-        T bi = b[i] * mom + gi / d;
+        T bi = funcopt::addcdiv(b[i] * mom, gi, d, T(1));
         b[i] = bi;
-        p[i] = p[i] - lr * bi;
+        p[i] = funcopt::add_alpha(p[i], bi, -lr);
       } else {
-        p[i] = p[i] - lr * (gi / d);
+        p[i] = funcopt::addcdiv(p[i], gi, d, -lr);
       }
     }
   });
@@ -45,7 +44,7 @@ void rmsprop(const std::vector<at::Tensor>& params, const std::vector<at::Tensor
                                state[1 * n + j].data_ptr<scalar_t>(),
                                h[5] != 0 ? state[3 * n + j].data_ptr<scalar_t>() : nullptr,
                                h[4] > 0 ? state[2 * n + j].data_ptr<scalar_t>() : nullptr,
-                               params[j].numel(), scalar_t(h[0]), scalar_t(h[1]), scalar_t(h[2]),
+                               params[j].numel(), scalar_t(h[0]), scalar_t(h[1]), scalar_t(1.0 - h[1]), scalar_t(h[2]),
                                scalar_t(h[3]), scalar_t(h[4]));
       }); }); }); });
     });
