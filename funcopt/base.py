@@ -564,6 +564,16 @@ class Optimizer(torch.optim.Optimizer):
             return self._portable
 
     @property
+    def uses_native(self) -> bool:
+        """Whether some of this optimizer's parameters are stepped by its native
+        one-pass rule (:mod:`funcopt.native`): the class has one, ``impl`` is
+        ``"auto"`` or ``"native"``, a parameter is a float32/float64 CPU tensor
+        and the library loaded.  Strided tensors still take the foreach formula."""
+        with self._lock:
+            self._prepare()
+            return bool(self._native)
+
+    @property
     def step_core(self) -> Any:
         """The core ``step`` runs (a TorchScript object after ``funcopt.script``).
 

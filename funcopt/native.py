@@ -108,7 +108,10 @@ def cache_dir() -> pathlib.Path:
 
 
 def library_path() -> pathlib.Path:
-    """Where this torch + these sources + this CPU's library is (or will be)."""
+    """The library this process loaded; before a load, where this torch + these
+    sources + this CPU's library is (or will be)."""
+    if _state["loaded"] is not None:
+        return _state["loaded"]
     return cache_dir() / _key() / "funcopt_native.so"
 
 
@@ -128,7 +131,7 @@ def build(verbose: bool = False) -> pathlib.Path:
     own directory and the finished file is renamed into place atomically.
     Raises whatever the compiler raised.
     """
-    target = library_path()
+    target = cache_dir() / _key() / "funcopt_native.so"
     if target.exists():
         return target
     from torch.utils import cpp_extension

@@ -107,6 +107,13 @@ class AlgorithmSpec:
         return bool(getattr(self.cls, "whole_params", False))
 
     @property
+    def native_rule(self) -> Optional[str]:
+        """The name of the algorithm's native one-pass rule (``funcopt/optimizers/<name>.cpp``,
+        :mod:`funcopt.native`), or None (an ATen fused kernel or a whole-parameter rule)."""
+        rule = getattr(self.cls, "native_rule", None)
+        return None if rule is None else rule[0]
+
+    @property
     def torch_cls(self) -> type:
         return self.cls.torch_class
 

@@ -36,7 +36,7 @@ void step_(c10::string_view rule, at::TensorList params, at::TensorList grads, a
                   " must be a contiguous CPU tensor");
       TORCH_CHECK(s.numel() == 0 || s.numel() == p.numel() || s.dim() == 0,
                   "funcopt::step_(", rule, "): state ", k, " of parameter ", j, " has ", s.numel(), " elements");
-      TORCH_CHECK(s.numel() != p.numel() || s.dim() == 0 || s.scalar_type() == dt,
+      TORCH_CHECK(s.numel() == 0 || s.dim() == 0 || s.scalar_type() == dt,
                   "funcopt::step_(", rule, "): state ", k, " of parameter ", j, " has dtype ", s.scalar_type());
     }
   }
