@@ -168,7 +168,11 @@ class ASGD(Optimizer):
       differentiable: run the step with autograd (eager only, torch's single-tensor
         formula, as ``torch.optim``; ``funcopt.script`` refuses it).
       capturable: accepted and recorded for state-dict compatibility.
-      impl: ``"auto"`` or ``"foreach"`` (torch has no fused ASGD kernel).
+      impl: ``"auto"`` (the native one-pass rule, ``asgd.cpp``, for float32/float64
+        CPU tensors where :mod:`funcopt.native` loads; else foreach), ``"native"``
+        (the same, an error where the library is unavailable) or ``"foreach"``
+        (torch's foreach formula: bitwise ``torch.optim.ASGD(foreach=True)``;
+        torch has no fused ASGD kernel).
 
     Example::
 
@@ -185,6 +189,7 @@ class ASGD(Optimizer):
     sparse_msg = "ASGD does not support sparse gradients"
     slots = (("step", None), ("eta", None), ("mu", None), ("ax", None))
     fused_devices = ()
+    native_rule = ("asgd", ("lr", "lambd", "alpha", "t0", "weight_decay", "maximize"))
 
     @classmethod
     def slot_shape(cls, name: str, p: Tensor) -> Optional[tuple]:

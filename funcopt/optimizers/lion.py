@@ -164,7 +164,11 @@ class Lion(Optimizer):
       maximize: ascend instead of descend (default ``False``).
       differentiable: run the step with autograd (eager only, the per-tensor
         formula; ``funcopt.script`` refuses it).
-      impl: ``"auto"`` or ``"foreach"`` (there is no fused Lion kernel).
+      impl: ``"auto"`` (the native one-pass rule, ``lion.cpp``, for float32/float64
+        CPU tensors where :mod:`funcopt.native` loads; else foreach), ``"native"``
+        (the same, an error where the library is unavailable) or ``"foreach"``
+        (the foreach formula: bitwise :class:`LionReference`; there is no
+        fused Lion kernel).
 
     Example::
 
@@ -181,6 +185,7 @@ class Lion(Optimizer):
     sparse_msg = "Lion does not support sparse gradients"
     slots = (("exp_avg", None),)
     fused_devices = ()
+    native_rule = ("lion", ("lr", "betas0", "betas1", "weight_decay", "maximize"))
 
     def __init__(self, params: Any, lr: Any = 1e-4, betas: Tuple[Any, Any] = (0.9, 0.99),
                  weight_decay: float = 0.0, *, foreach: Optional[bool] = None, maximize: bool = False,

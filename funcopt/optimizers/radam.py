@@ -212,7 +212,11 @@ class RAdam(Optimizer):
       capturable: accepted and recorded for state-dict compatibility.
       differentiable: run the step with autograd (eager only, torch's single-tensor
         formula, as ``torch.optim``; ``funcopt.script`` refuses it).
-      impl: ``"auto"`` or ``"foreach"`` (torch has no fused RAdam kernel).
+      impl: ``"auto"`` (the native one-pass rule, ``radam.cpp``, for float32/float64
+        CPU tensors where :mod:`funcopt.native` loads; else foreach), ``"native"``
+        (the same, an error where the library is unavailable) or ``"foreach"``
+        (torch's foreach formula: bitwise ``torch.optim.RAdam(foreach=True)``;
+        torch has no fused RAdam kernel).
 
     Example::
 
@@ -229,6 +233,8 @@ class RAdam(Optimizer):
     sparse_msg = "RAdam does not support sparse gradients"
     slots = (("step", None), ("exp_avg", None), ("exp_avg_sq", None))
     fused_devices = ()
+    native_rule = ("radam", ("lr", "betas0", "betas1", "eps", "weight_decay", "decoupled_weight_decay",
+                             "maximize"))
 
     def __init__(self, params: Any, lr: Any = 1e-3, betas: Tuple[Any, Any] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0, decoupled_weight_decay: bool = False, *,

@@ -144,7 +144,11 @@ class Rprop(Optimizer):
       maximize: ascend instead of descend (default ``False``).
       differentiable: run the step with autograd (eager only, torch's single-tensor
         formula, as ``torch.optim``; ``funcopt.script`` refuses it).
-      impl: ``"auto"`` or ``"foreach"`` (torch has no fused Rprop kernel).
+      impl: ``"auto"`` (the native one-pass rule, ``rprop.cpp``, for float32/float64
+        CPU tensors where :mod:`funcopt.native` loads; else foreach), ``"native"``
+        (the same, an error where the library is unavailable) or ``"foreach"``
+        (torch's foreach formula: bitwise ``torch.optim.Rprop(foreach=True)``;
+        torch has no fused Rprop kernel).
 
     Example::
 
@@ -162,6 +166,7 @@ class Rprop(Optimizer):
     sparse_msg = "Rprop does not support sparse gradients"
     slots = (("step", None), ("prev", None), ("step_size", None))
     fused_devices = ()
+    native_rule = ("rprop", ("step_sizes0", "step_sizes1", "etas0", "etas1", "maximize"))
 
     def __init__(self, params: Any, lr: Any = 1e-2, etas: Tuple[float, float] = (0.5, 1.2),
                  step_sizes: Tuple[float, float] = (1e-6, 50), *, capturable: bool = False,

@@ -1,0 +1,123 @@
+// ASGD in one pass per element: the foreach formula of asgd.py, op for op.
+//
+// eta, mu and step are 0-d per-parameter tensors (float32 where asgd.py's
+// init puts them; any dtype is read and written here, through data_ptr):
+// each element loop reads its tensor's eta and mu once, and the new eta_t and
+// mu_t of every tensor are written after the loops.  eta_t is computed as
+// asgd.py computes it, with torch's tensor ops in the step counter's dtype
+// (float32): lr * (1 / (1 + step * (lambd * lr))^alpha), with torch's pow
+// (exponent 0.5 is its sqrt; -0.5, -1, 2, 3, -2 its other special cases;
+// otherwise std::pow in double, rounded); mu_t = 1 / max(1, t - t0) in
+// double, stored as float32 (torch.full), as asgd.py does on the host.
+// add_alpha / addcmul: funcopt's, torch's CPU rounding; the results are
+// torch.optim.ASGD(foreach=True)'s to the bit.
+#include "_native.h"
+#include <cmath>
+
+namespace {
+
+inline double read0d(const at::Tensor& t) {
+  double v = 0;
+  AT_DISPATCH_ALL_TYPES_AND3(at::kHalf, at::kBFloat16, at::kBool, t.scalar_type(), "funcopt::asgd_read",
+                             [&] { v = static_cast<double>(*t.data_ptr<scalar_t>()); });
+  return v;
+}
+
+// v has already been rounded to the dtype the foreach formula computed it in;
+// copy_ into the state's dtype
+inline void write0d(const at::Tensor& t, double v) {
+  AT_DISPATCH_ALL_TYPES_AND3(at::kHalf, at::kBFloat16, at::kBool, t.scalar_type(), "funcopt::asgd_write",
+                             [&] { *t.data_ptr<scalar_t>() = static_cast<scalar_t>(v); });
+}
+
+// torch's pow(tensor, scalar exponent) on CPU for float/double, except 0.5
+// (sqrt: see new_etas)
+template <typename S>
+inline S pow_scalar(S x, double e) {
+  if (e == -0.5) return S(1) / std::sqrt(x);
+  if (e == -1.0) return S(1) / x;
+  if (e == 2.0) return x * x;
+  if (e == 3.0) return x * x * x;
+  if (e == -2.0) return static_cast<S>(1.0 / (x * x));
+  return static_cast<S>(std::pow(x, e));
+}
+
+// asgd.py: new_etas = steps * (lambd * lr); += 1; pow_(alpha); reciprocal_(); *= lr;
+// copy_ into etas.  Computed in the step counters' dtype S (float32 as asgd.py's
+// init makes them).  pow_(0.5) is torch's sqrt, which ATen computes with MKL's
+// vsSqrt (not correctly rounded; its per-element result depends on the value
+// only): one at::sqrt over all of them gives torch's numbers to the bit.
+template <typename S>
+void new_etas(const std::vector<at::Tensor>& state, size_t n, double lr, double lambd, double alpha,
+              at::ScalarType st) {
+  std::vector<S> x(n);
+  for (size_t j = 0; j < n; ++j) {
+    S v = static_cast<S>(read0d(state[j])) * static_cast<S>(lambd * lr);
+    x[j] = v + S(1);
+  }
+  if (alpha == 0.5) {
+    at::Tensor xs = at::empty({(int64_t)n}, at::TensorOptions().dtype(st));
+    std::copy(x.begin(), x.end(), xs.data_ptr<S>());
+    at::Tensor ys = at::sqrt(xs);
+    const S* y = ys.data_ptr<S>();
+    for (size_t j = 0; j < n; ++j) x[j] = y[j];
+  } else {
+    for (size_t j = 0; j < n; ++j) x[j] = pow_scalar<S>(x[j], alpha);
+  }
+  for (size_t j = 0; j < n; ++j) {
+    S v = S(1) / x[j];
+    v = v * static_cast<S>(lr);
+    write0d(state[n + j], static_cast<double>(v));
+  }
+}
+
+template <typename T, bool maximize, bool decay>
+void asgd_tensor(T* __restrict p, const T* __restrict g, T* __restrict ax, int64_t n, T wd, T lambd, T eta,
+                 T mu) {
+  funcopt::chunks(n, [&](int64_t lo, int64_t hi) {
+    for (int64_t i = lo; i < hi; ++i) {
+      const T gi = maximize ? -g[i] : g[i];
+      const T pi = p[i];
+      T inter = decay ? funcopt::add_alpha(gi, pi, wd) : gi;
+      inter = funcopt::add_alpha(inter, pi, lambd);
+      const T pn = funcopt::addcmul(pi, inter, eta, T(-1));
+      p[i] = pn;
+      const T ai = ax[i];
+      ax[i] = funcopt::addcmul(ai, pn - ai, mu, T(1));
+    }
+  });
+}
+
+void asgd(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+          const std::vector<at::Tensor>& state, const std::vector<double>& h) {
+  const size_t n = params.size();
+  // hyper: lr, lambd, alpha, t0, weight_decay, maximize
+  // state: step (0-d, bumped), eta (0-d), mu (0-d), ax
+  const double lr = h[0], lambd = h[1], alpha = h[2], t0 = h[3], wd = h[4];
+  const bool maximize = h[5] != 0;
+  for (size_t j = 0; j < n; ++j) {
+    const double eta_v = read0d(state[n + j]), mu_v = read0d(state[2 * n + j]);
+    AT_DISPATCH_FLOATING_TYPES(params[j].scalar_type(), "funcopt::asgd", [&] {
+      using T = scalar_t;
+      FUNCOPT_BOOL(maximize, M, [&] { FUNCOPT_BOOL(wd != 0, D, [&] {
+        asgd_tensor<T, M, D>(params[j].data_ptr<T>(), grads[j].data_ptr<T>(), state[3 * n + j].data_ptr<T>(),
+                             params[j].numel(), T(wd), T(lambd), T(eta_v), T(mu_v));
+      }); });
+    });
+  }
+  // then the new eta_t and mu_t of every parameter (each element loop read the old ones)
+  if (state[0].scalar_type() == at::kDouble) {
+    new_etas<double>(state, n, lr, lambd, alpha, at::kDouble);
+  } else {
+    new_etas<float>(state, n, lr, lambd, alpha, at::kFloat);
+  }
+  for (size_t j = 0; j < n; ++j) {
+    // 1 / max(1, t - t0) on the host in double, a float32 tensor (torch.full), copied
+    const double m = read0d(state[j]) - t0;
+    write0d(state[2 * n + j], static_cast<double>(static_cast<float>(1.0 / (m > 1.0 ? m : 1.0))));
+  }
+}
+
+}  // namespace
+
+FUNCOPT_RULE("asgd", asgd, 4, 6);
