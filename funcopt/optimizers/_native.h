@@ -35,26 +35,37 @@ inline void chunks(int64_t n, const F& f) {
 // formula does.  Scalars are computed in double (as Python does) and cast to T
 // once, outside the loop: pass them in, never compute (1 - beta) in T.
 //   torch.add(a, b, alpha=s) / torch.sub(a, b, alpha=s): add_alpha(a, b, s) / add_alpha(a, b, -s)
+// A CPU without FMA (and torch's own lowest CPU level) rounds twice: so do we there.
+template <typename T>
+inline T fma(T a, T b, T c) {
+#if defined(__FMA__) || defined(__ARM_FEATURE_FMA)
+  return std::fma(a, b, c);
+#else
+  return a * b + c;
+#endif
+}
 template <typename T>
 inline T add_alpha(T a, T b, T alpha) {
-  return std::fma(b, alpha, a);
+  return funcopt::fma(b, alpha, a);
 }
 //   torch.lerp(a, b, w)
 template <typename T>
 inline T lerp(T a, T b, T w) {
-  return std::abs(w) < T(0.5) ? std::fma(w, b - a, a) : std::fma(w - T(1), b - a, b);
+  return std::abs(w) < T(0.5) ? funcopt::fma(w, b - a, a) : funcopt::fma(w - T(1), b - a, b);
 }
 //   torch.addcmul(a, b, c, value=v)
 template <typename T>
 inline T addcmul(T a, T b, T c, T v) {
-  return std::fma(v * b, c, a);
+  return funcopt::fma(v * b, c, a);
 }
 //   torch.addcdiv(a, b, c, value=v)
 template <typename T>
 inline T addcdiv(T a, T b, T c, T v) {
   return a + (v * b) / c;
 }
-// mul, div, sqrt, maximum, neg, abs: plain C++ (one rounding each, as torch).
+// mul, div, maximum, neg, abs: plain C++ (one rounding each, as torch).  sqrt:
+// std::sqrt is correctly rounded; torch's CPU sqrt (MKL's vsSqrt) is not always,
+// so a rule with a sqrt is within 1 ulp per step of the foreach formula.
 
 }  // namespace funcopt
 
