@@ -16,7 +16,8 @@ import torch
 from torch import Tensor
 
 from ..base import Optimizer
-from ._common import grad_prelude, full_like, scalars, step_tensor, step_values
+from . import _compile_ops  # noqa: F401  (registers the ops the compiled path calls)
+from ._common import full_like, grad_prelude, scalars, step_tensor, step_values
 
 
 def adagrad(
@@ -39,7 +40,10 @@ def adagrad(
     if len(params) == 0:
         return
     if fused and torch.compiler.is_compiling():
-        fused = False  # torch 2.13 has no fake kernel for this fused op; the foreach formula compiles
+        # one opaque in-place call in the compiled graph (funcopt/optimizers/_compile_ops.py)
+        torch.ops.funcopt_aten.fused_adagrad_(params, grads, state_sums, steps, lr, lr_decay, weight_decay, eps,
+                                              maximize, grad_scale, found_inf)
+        return
     if fused:
         torch._fused_adagrad_(params, grads, state_sums, steps, lr=lr, lr_decay=lr_decay,
                               weight_decay=weight_decay, eps=eps, maximize=maximize,

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from ..base import Optimizer
+from . import _compile_ops  # noqa: F401  (registers the ops the compiled path calls)
 from ._common import grad_prelude, scalars, step_tensor, step_values, zeros_like
 
 
@@ -52,24 +53,14 @@ def adam(
     """
     if len(params) == 0:
         return
+    if fused and torch.compiler.is_compiling():
+        # one opaque in-place call in the compiled graph (funcopt/optimizers/_compile_ops.py)
+        torch.ops.funcopt_aten.fused_adam_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr, beta1,
+                                           beta2, weight_decay, eps, amsgrad, maximize, decoupled, grad_scale,
+                                           found_inf)
+        return
     if fused:
-        if torch.compiler.is_compiling() and not amsgrad:
-            # torch 2.13 cannot functionalize the in-place fused op with an empty
-            # max_exp_avg_sqs list; its out-of-place twin (same kernel) compiles
-            if decoupled:
-                outs = torch.ops.aten._fused_adamw(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
-                                                   lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay,
-                                                   eps=eps, amsgrad=amsgrad, maximize=maximize,
-                                                   grad_scale=grad_scale, found_inf=found_inf)
-            else:
-                outs = torch.ops.aten._fused_adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
-                                                  lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay,
-                                                  eps=eps, amsgrad=amsgrad, maximize=maximize,
-                                                  grad_scale=grad_scale, found_inf=found_inf)
-            torch._foreach_copy_(params, outs[0])
-            torch._foreach_copy_(exp_avgs, outs[2])
-            torch._foreach_copy_(exp_avg_sqs, outs[3])
-        elif decoupled:
+        if decoupled:
             torch._fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
                                 lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps,
                                 amsgrad=amsgrad, maximize=maximize, grad_scale=grad_scale, found_inf=found_inf)

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from ..base import Optimizer
+from . import _compile_ops  # noqa: F401  (registers the ops the compiled path calls)
 from ._common import grad_prelude
 
 
@@ -47,7 +48,10 @@ def sgd(
     if len(params) == 0:
         return
     if fused and torch.compiler.is_compiling():
-        fused = False  # torch 2.13 has no fake kernel for this fused op; the foreach formula compiles
+        # one opaque in-place call in the compiled graph (funcopt/optimizers/_compile_ops.py)
+        torch.ops.funcopt_aten.fused_sgd_(params, grads, momentum_buffers, weight_decay, momentum, lr, dampening,
+                                          nesterov, maximize, first_step, grad_scale, found_inf)
+        return
     if fused:
         torch._fused_sgd_(params, grads, momentum_buffers, weight_decay=weight_decay, momentum=momentum,
                           lr=lr, dampening=dampening, nesterov=nesterov, maximize=maximize,
