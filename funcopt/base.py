@@ -230,7 +230,7 @@ class Optimizer(torch.optim.Optimizer):
     split_first: bool = False  # first steps get their own kernel call (SGD's buffer = gradient)
     init_at_construction: bool = False  # state for every parameter at construction (Adagrad)
     hyper_codes: Dict[str, Dict[Any, float]] = {}  # non-numeric options -> floats for the core
-    whole_params: bool = False  # the rule needs each parameter whole (ZeRO: no flat partition)
+    whole_params: bool = False  # the rule needs each parameter whole (ZeRO: no flat partition; no cache-blocked chunks)
     probe_shape: Tuple[int, ...] = (1,)  # a parameter torch_class accepts (Muon: 2-D), to ask it about options
     # the native one-pass rule (funcopt/optimizers/<name>.cpp, funcopt.native): its name and the
     # hyperparameters it reads, in order; None: the algorithm has none (an ATen fused kernel, or a
@@ -508,10 +508,14 @@ class Optimizer(torch.optim.Optimizer):
         self._epoch = -1
 
     def _make_core(self, slots: Any, kernel: Any) -> Any:
-        from .optimizers._core import Core
+        from .optimizers import _core
 
-        return Core(slots, kernel, self.sparse_msg, self.split_first, self.init_at_construction,
-                    self.native_rule is None)
+        # impl="auto": a CPU bucket that runs the foreach formula (no fused kernel, no native
+        # rule there) runs it cache-blocked, bitwise the same (Core._blocked); impl="foreach"
+        # keeps torch's call sequence, and a whole-parameter rule cannot be cut
+        block = _core.BLOCK_BYTES if self.impl == "auto" and not self.whole_params else 0
+        return _core.Core(slots, kernel, self.sparse_msg, self.split_first, self.init_at_construction,
+                          self.native_rule is None, block)
 
     def _script(self) -> None:
         with self._lock:

@@ -26,6 +26,9 @@ home directory rebuilds instead of loading a wrong library.
 * ``FUNCOPT_NATIVE=0``: never build or load; every rule runs its foreach
   formula (torch's exact numbers).  ``FUNCOPT_NATIVE=1``: a failed build is an
   error instead of a fallback.
+* :func:`disable` (a context manager): the same as ``FUNCOPT_NATIVE=0`` for
+  optimizers built (or rebuilt) inside it -- the fallback path in-process,
+  for tests and comparisons.
 * ``FUNCOPT_CACHE_DIR``: where the library is built (default
   ``$XDG_CACHE_HOME/funcopt`` or ``~/.cache/funcopt``).
 * Where no compiler works, the first optimizer that would use a native rule
@@ -40,6 +43,7 @@ need no library at all.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import pathlib
@@ -48,11 +52,11 @@ import tempfile
 import threading
 import time
 import warnings
-from typing import List, Optional
+from typing import Iterator, List, Optional
 
 import torch
 
-__all__ = ["NativeUnavailableWarning", "available", "build", "library_path", "load", "status", "RULES"]
+__all__ = ["NativeUnavailableWarning", "available", "build", "disable", "library_path", "load", "status", "RULES"]
 
 SOURCE_DIR = pathlib.Path(__file__).resolve().parent / "optimizers"
 CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off"]
@@ -66,7 +70,7 @@ class NativeUnavailableWarning(UserWarning):
 
 
 _lock = threading.Lock()
-_state: dict = {"loaded": None, "error": None, "warned": False, "seconds": None, "built": False}
+_state: dict = {"loaded": None, "error": None, "warned": False, "seconds": None, "built": False, "disabled": 0}
 
 
 def _sources() -> List[pathlib.Path]:
@@ -116,12 +120,31 @@ def library_path() -> pathlib.Path:
 
 
 def _mode() -> str:
+    if _state["disabled"]:
+        return "off"
     v = os.environ.get("FUNCOPT_NATIVE", "").strip().lower()
     if v in ("0", "off", "false", "no"):
         return "off"
     if v in ("1", "on", "true", "yes", "require"):
         return "require"
     return "auto"
+
+
+@contextlib.contextmanager
+def disable() -> Iterator[None]:
+    """Within the ``with`` block, as ``FUNCOPT_NATIVE=0``: optimizers built (or
+    rebuilt: new parameter groups, ``load_state_dict``) there run the foreach
+    formulas -- with ``impl="auto"``, cache-blocked (``Core._blocked``), the
+    path of a machine without a compiler.  An optimizer keeps its choice after
+    the block until it is rebuilt.  Process-wide (not per thread); nests.
+    ``impl="native"`` raises inside it."""
+    with _lock:
+        _state["disabled"] += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _state["disabled"] -= 1
 
 
 def build(verbose: bool = False) -> pathlib.Path:

@@ -20,6 +20,9 @@ layers step -- does everything else, the same way for every algorithm:
   op per bucket where they are views of one tensor;
 * complex parameters stepped through real views (every complex tensor of the
   call, state included);
+* with ``impl="auto"``, the foreach formula of a CPU bucket run cache-blocked
+  (:meth:`Core._blocked`: once per ~``BLOCK_BYTES`` of parameters, bitwise
+  the single call), elementwise rules only;
 * tensors a fused kernel cannot take (strided, non-contiguous state) routed
   through the foreach formula, sparse COO gradients through the per-tensor
   formula (:meth:`Kernel.single`), ``differentiable=True`` through the
@@ -38,6 +41,14 @@ from .._slots import Slots
 from ._common import bump, check_differentiable, found_inf_flag, real_views, skip_step, unscale
 
 from typing import Dict  # noqa: E402  (TorchScript resolves annotations by name)
+
+# The cache-blocked foreach fallback (Core._blocked): bytes of parameter
+# elements per kernel call.  Read when a core is built (Core.block); tests
+# patch it small.  Measured on one thread (docs/benchmarks.md,
+# benchmarks/blocked_fallback.py --block-kib): 256 KiB loses to per-call
+# overhead, 512 KiB-2 MiB are level; at 1 MiB a block's parameter, gradient,
+# state and temporaries (5-8 MiB) stay in L3 from one op to the next.
+BLOCK_BYTES = 1024 * 1024
 
 
 class Kernel:
@@ -75,7 +86,15 @@ class Kernel:
         formula, in torch's foreach order; ``grad_scale`` and ``found_inf``
         are then None (the core has unscaled and checked).  ``first``: every
         parameter is on its first step (only with ``split_first``).  Never
-        write into ``grads``' tensors unless you made them (out-of-place ops)."""
+        write into ``grads``' tensors unless you made them (out-of-place ops).
+
+        With ``impl="auto"`` a CPU bucket's foreach formula is called on
+        blocks (:meth:`Core._blocked`): the lists may hold flat chunks of a
+        parameter (and of its gradient and same-shaped state) with its other
+        state whole, one chunk per call.  A rule that needs each parameter
+        whole (a norm, a matrix product) declares the optimizer class's
+        ``whole_params`` (Adafactor, Muon) and is always called on whole
+        tensors."""
         pass
 
     def single(self, params: List[Tensor], grads: List[Tensor], state: List[List[Tensor]],
@@ -147,9 +166,14 @@ class Core:
     """Scriptable state and step of one optimizer: a :class:`Slots` and a kernel."""
 
     def __init__(self, slots: Slots, kernel: Kernel, sparse_msg: str, split_first: bool,
-                 init_at_construction: bool, fused_amp: bool = True):
+                 init_at_construction: bool, fused_amp: bool = True, block: int = 0):
         self.slots = slots
         self.kernel = kernel
+        # > 0: run the foreach formula of a CPU bucket cache-blocked (:meth:`_blocked`), about
+        # this many bytes of parameter elements per kernel call; 0: one call per bucket.  Set
+        # (funcopt.base, BLOCK_BYTES) for impl="auto" and an elementwise rule only: impl="foreach"
+        # stays torch's call sequence, a whole-parameter rule (Adafactor, Muon) cannot be cut.
+        self.block = block
         # False: the bucket's fast path (a native rule) gets unscaled, checked
         # gradients like the foreach path; True: an ATen fused kernel takes
         # grad_scale / found_inf itself
@@ -258,11 +282,128 @@ class Core:
                 col = state[k]
                 if len(col) > 0 and col[0].is_complex():
                     state[k] = s.keep(real_views(col))
-        self.kernel.dense(params, grads, state, h, fused, first, grad_scale, found_inf)
+        if self.block > 0 and not fused and params[0].is_cpu and not torch.compiler.is_compiling():
+            self._blocked(params, grads, state, h, first)
+        else:
+            self.kernel.dense(params, grads, state, h, fused, first, grad_scale, found_inf)
         if fused and self.fused_amp and found_inf is not None and s.step_slot >= 0:
             # found_inf is 0.0 or 1.0 (found_inf_flag): undo the bump on a skipped step
             steps = state[s.step_slot]
             torch._foreach_sub_(steps, [found_inf for _ in steps])
+
+    def _blocked(self, params: List[Tensor], grads: List[Tensor], state: List[List[Tensor]],
+                 h: Dict[str, float], first: bool) -> None:
+        """The foreach formula over cache-sized blocks (CPU, elementwise rules).
+
+        A foreach chain is op-major: each op streams the whole list through
+        memory, so on a large model every op pays DRAM bandwidth.  Here the
+        kernel's ``dense`` runs once per block of about ``self.block`` bytes
+        of parameter elements, whose parameters, gradients, state and
+        temporaries stay in cache from one op to the next.  Bitwise the
+        single call: the rules are elementwise, each tensor's per-tensor
+        scalars come from its own step counter (passed whole to each of its
+        chunks), and foreach ops treat list entries independently.
+
+        * tensors smaller than a block are grouped, whole, into blocks;
+        * a larger one whose parameter, gradient and same-shaped state are
+          contiguous is cut into flat views (``view(-1)``, bounds at
+          multiples of 64 elements: whole aligned vectors for float32 and
+          float64), one kernel call each; its other state (0-d: step counters, NAdam's ``mu_product``, ASGD's
+          ``eta``/``mu``) goes whole to every chunk's call, and what of it
+          the rule may write (every such slot but the step counters, which
+          kernels only read) is snapshot before the first call and restored
+          before each later one: every call starts from the step's value,
+          the last leaves the updated one;
+        * a larger one that cannot be cut (strided, state of another shape)
+          is a block by itself.
+        """
+        s = self.slots
+        limit = self.block // params[0].element_size()
+        align = 64
+        total = 0
+        for p in params:
+            total += p.numel()
+        if total <= limit or limit < align:
+            self.kernel.dense(params, grads, state, h, False, first, None, None)
+            return
+        nk = len(state)
+        bp: List[Tensor] = []
+        bg: List[Tensor] = []
+        bs: List[List[Tensor]] = []
+        for _k in range(nk):
+            bs.append(torch.jit.annotate(List[Tensor], []))
+        used = 0
+        for j in range(len(params)):
+            p = params[j]
+            m = p.numel()
+            pieces = 1
+            size = m
+            if m > limit and self._cuttable(p, grads[j], state, j):
+                pieces = (m + limit - 1) // limit
+                size = (m + pieces - 1) // pieces
+                size = (size + align - 1) // align * align
+                pieces = (m + size - 1) // size
+            if pieces == 1:
+                if used + m > limit and len(bp) > 0:
+                    self._block_call(bp, bg, bs, h, first)
+                    bp = []
+                    bg = []
+                    bs = []
+                    for _k in range(nk):
+                        bs.append(torch.jit.annotate(List[Tensor], []))
+                    used = 0
+                bp.append(p)
+                bg.append(grads[j])
+                for k in range(nk):
+                    bs[k].append(state[k][j])
+                used += m
+                continue
+            pc = p.view(-1).split(size)
+            gc = grads[j].view(-1).split(size)
+            cols: List[List[Tensor]] = []
+            saved: List[Tensor] = []
+            snaps: List[Tensor] = []
+            for k in range(nk):
+                t = state[k][j]
+                if t.size() == p.size():
+                    cols.append(t.view(-1).split(size))
+                else:
+                    cols.append([t for _ in range(pieces)])
+                    if k != s.step_slot and t.numel() > 0:
+                        saved.append(t)
+                        snaps.append(t.clone())
+            for c in range(pieces):
+                if c > 0:
+                    for r in range(len(saved)):
+                        saved[r].copy_(snaps[r])
+                cs: List[List[Tensor]] = []
+                for k in range(nk):
+                    cs.append([cols[k][c]])
+                self._block_call([pc[c]], [gc[c]], cs, h, first)
+        if len(bp) > 0:
+            self._block_call(bp, bg, bs, h, first)
+
+    def _cuttable(self, p: Tensor, g: Tensor, state: List[List[Tensor]], j: int) -> bool:
+        """Whether parameter ``j`` can be cut into flat chunks: it, its gradient
+        and its state shaped like it contiguous; other state 0-d or empty."""
+        if not p.is_contiguous() or not g.is_contiguous():
+            return False
+        for k in range(len(state)):
+            t = state[k][j]
+            if t.size() == p.size():
+                if not t.is_contiguous():
+                    return False
+            elif t.numel() > 1 or (t.numel() == 1 and t.dim() > 0):
+                return False
+        return True
+
+    def _block_call(self, params: List[Tensor], grads: List[Tensor], state: List[List[Tensor]],
+                    h: Dict[str, float], first: bool) -> None:
+        s = self.slots
+        s.keep(params)
+        for col in state:
+            s.keep(col)
+        self.kernel.dense(params, grads, state, h, False, first, None, None)
 
     def _single(self, b: int, idx: List[int], grads: List[Tensor], h: Dict[str, float],
                 grad_scale: Optional[Tensor], found_inf: Optional[Tensor]) -> None:
