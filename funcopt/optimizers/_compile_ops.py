@@ -12,9 +12,10 @@ compiled step costs what the eager fused step costs.  They take exactly the
 fused kernels' arguments (``grad_scale`` / ``found_inf`` included: no host
 sync under compile either).
 
-Registering a custom op is not scripting and costs well under a millisecond;
-TorchScript sees them as ordinary ops (the scripted step never takes these
-branches: ``torch.compiler.is_compiling()`` is False there).
+Registering a custom op is not scripting and costs well under a millisecond.
+The calls sit under ``if not torch.jit.is_scripting():``, which TorchScript
+does not compile: a scripted (and saved) step holds ATen ops only and loads
+where funcopt is absent.
 """
 from typing import List, Optional
 

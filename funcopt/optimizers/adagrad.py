@@ -39,11 +39,12 @@ def adagrad(
     bitwise equal to torch.optim)."""
     if len(params) == 0:
         return
-    if fused and torch.compiler.is_compiling():
-        # one opaque in-place call in the compiled graph (funcopt/optimizers/_compile_ops.py)
-        torch.ops.funcopt_aten.fused_adagrad_(params, grads, state_sums, steps, lr, lr_decay, weight_decay, eps,
-                                              maximize, grad_scale, found_inf)
-        return
+    if not torch.jit.is_scripting():  # not compiled by TorchScript: saved graphs keep ATen ops only
+        if fused and torch.compiler.is_compiling():
+            # one opaque in-place call in the compiled graph (funcopt/optimizers/_compile_ops.py)
+            torch.ops.funcopt_aten.fused_adagrad_(params, grads, state_sums, steps, lr, lr_decay, weight_decay, eps,
+                                                  maximize, grad_scale, found_inf)
+            return
     if fused:
         torch._fused_adagrad_(params, grads, state_sums, steps, lr=lr, lr_decay=lr_decay,
                               weight_decay=weight_decay, eps=eps, maximize=maximize,

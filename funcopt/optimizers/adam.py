@@ -53,12 +53,13 @@ def adam(
     """
     if len(params) == 0:
         return
-    if fused and torch.compiler.is_compiling():
-        # one opaque in-place call in the compiled graph (funcopt/optimizers/_compile_ops.py)
-        torch.ops.funcopt_aten.fused_adam_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr, beta1,
-                                           beta2, weight_decay, eps, amsgrad, maximize, decoupled, grad_scale,
-                                           found_inf)
-        return
+    if not torch.jit.is_scripting():  # not compiled by TorchScript: saved graphs keep ATen ops only
+        if fused and torch.compiler.is_compiling():
+            # one opaque in-place call in the compiled graph (funcopt/optimizers/_compile_ops.py)
+            torch.ops.funcopt_aten.fused_adam_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr, beta1,
+                                               beta2, weight_decay, eps, amsgrad, maximize, decoupled, grad_scale,
+                                               found_inf)
+            return
     if fused:
         if decoupled:
             torch._fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,

@@ -47,11 +47,12 @@ def sgd(
     """
     if len(params) == 0:
         return
-    if fused and torch.compiler.is_compiling():
-        # one opaque in-place call in the compiled graph (funcopt/optimizers/_compile_ops.py)
-        torch.ops.funcopt_aten.fused_sgd_(params, grads, momentum_buffers, weight_decay, momentum, lr, dampening,
-                                          nesterov, maximize, first_step, grad_scale, found_inf)
-        return
+    if not torch.jit.is_scripting():  # not compiled by TorchScript: saved graphs keep ATen ops only
+        if fused and torch.compiler.is_compiling():
+            # one opaque in-place call in the compiled graph (funcopt/optimizers/_compile_ops.py)
+            torch.ops.funcopt_aten.fused_sgd_(params, grads, momentum_buffers, weight_decay, momentum, lr, dampening,
+                                              nesterov, maximize, first_step, grad_scale, found_inf)
+            return
     if fused:
         torch._fused_sgd_(params, grads, momentum_buffers, weight_decay=weight_decay, momentum=momentum,
                           lr=lr, dampening=dampening, nesterov=nesterov, maximize=maximize,
