@@ -15,8 +15,8 @@ import funcopt
 from funcopt.script import quiet_jit
 
 from ._report import quiet_profiler
-from ._step_parts import (TINY_COUNT, TINY_NUMEL, Step, aten_peer, case_shapes, interleaved, make_tensors, no_gc,
-                          peers_for)
+from ._step_parts import (TINY_COUNT, TINY_NUMEL, Step, algo_info, aten_peer, case_shapes, impl_note, interleaved,
+                          make_tensors, no_gc, peers_for)
 
 # --------------------------------------------------------------------------- overhead
 try:  # funcopt internals, only for the overhead breakdown
@@ -92,24 +92,97 @@ def overhead_breakdown(args: argparse.Namespace) -> Dict[str, float]:
     return out
 
 
-# --------------------------------------------------------------------------- GIL
-def gil_figure(args: argparse.Namespace) -> List[Dict[str, Any]]:
-    """Two Python threads, each stepping its own optimizer over 2000 x 1024 floats."""
-    shapes = [(TINY_NUMEL,)] * args.gil_tensors
+# --------------------------------------------------------------------------- first use
+def first_use_cost() -> Dict[str, Any]:
+    """Load funcopt's native library now (building it where this torch + sources + CPU have
+    none yet) and describe what that cost: :func:`funcopt.native.status` plus the file size."""
+    from funcopt import native
 
-    def make(kind: str) -> Step:
+    t0 = time.perf_counter()
+    native.load()
+    st = dict(native.status(), load_call_s=time.perf_counter() - t0)
+    path = st["path"]
+    st["bytes"] = os.path.getsize(path) if os.path.exists(path) else None
+    if st["error"] or not st["loaded"]:
+        st["line"] = (f"native library unavailable (mode {st['mode']}): {st['error'] or 'not loaded'}; "
+                      "the native algorithms run their foreach formulas")
+    else:
+        how = "built (compiler) and loaded" if st["built_now"] else "loaded from the cache"
+        st["line"] = (f"native library {how} in {st['seconds'] or 0.0:.3f} s ({st['load_call_s']:.3f} s for "
+                      f"funcopt.native.load() in this process), {path}, {st['bytes']:,} bytes")
+    print(f"first-use cost: {st['line']}")
+    return st
+
+
+# --------------------------------------------------------------------------- GIL
+def _ceiling_loop(ps: List[torch.Tensor], gs: List[torch.Tensor]) -> None:
+    for i in range(len(ps)):
+        ps[i].mul_(0.999).add_(gs[i], alpha=1e-3)
+
+
+def _seq_con(a: Step, b: Step, n: int) -> Tuple[float, float, float, float]:
+    """Seconds for ``n`` calls of ``a`` then ``n`` of ``b`` in this thread, then both at once in
+    two threads; with the CPU/wall of each."""
+    def loop(f: Step) -> None:
+        for _ in range(n):
+            f()
+
+    c0, t0 = time.process_time(), time.perf_counter()
+    loop(a)
+    loop(b)
+    t_seq = time.perf_counter() - t0
+    u_seq = (time.process_time() - c0) / t_seq
+    barrier = threading.Barrier(3)
+
+    def worker(f: Step) -> None:
+        barrier.wait()
+        loop(f)
+
+    ths = [threading.Thread(target=worker, args=(f,)) for f in (a, b)]
+    for t in ths:
+        t.start()
+    barrier.wait()
+    c0, t0 = time.process_time(), time.perf_counter()
+    for t in ths:
+        t.join()
+    t_con = time.perf_counter() - t0
+    return t_seq, t_con, u_seq, (time.process_time() - c0) / t_con
+
+
+def gil_figure(args: argparse.Namespace) -> List[Dict[str, Any]]:
+    """Two Python threads, each stepping its own optimizer over ``--gil-tensors`` x 1024 floats:
+    per ``--gil-algos`` algorithm its default scripted optimizer (for Adam also the eager one
+    and torch.optim fused), each round paired with the same two-thread run of a pure
+    TorchScript loop over as many tensors (``ceiling``: what two threads give on this machine
+    when no thread holds the GIL) and the controls."""
+    shapes = [(TINY_NUMEL,)] * args.gil_tensors
+    ceiling_fn: Any = None
+    impl = ""
+
+    def make(kind: str, algo: str) -> Step:
+        nonlocal ceiling_fn, impl
         if kind.startswith("control: torch.mm"):
             a = torch.randn(512, 512)
             return lambda: [torch.mm(a, a) for _ in range(3)]
         if kind.startswith("control: Python"):
             return lambda: sum(range(300_000))
-        params = make_tensors(shapes, 0, 0.02)
-        grads = make_tensors(shapes, 1, 1.0)
-        if kind.startswith("funcopt"):
-            opt = funcopt.Adam(params, impl="fused")
+        from funcopt.registry import REGISTRY
+
+        shp = [REGISTRY[algo].param_shape(x) for x in shapes] if algo else shapes  # Muon: matrices
+        params = make_tensors(shp, 0, 0.02)
+        grads = make_tensors(shp, 1, 1.0)
+        if kind == "ceiling":
+            if ceiling_fn is None:
+                with quiet_jit():
+                    ceiling_fn = torch.jit.script(_ceiling_loop)
+            fn = ceiling_fn
+            step: Step = lambda: fn(params, grads)  # noqa: E731
+        elif kind.startswith("funcopt"):
+            opt = getattr(funcopt, algo)(params, **algo_info(algo)["kw"])
+            impl = impl_note(opt)
             if "script" in kind:
                 opt = funcopt.script(opt)
-            step: Step = lambda: opt.step(grads)  # noqa: E731
+            step = lambda: opt.step(grads)  # noqa: E731
         else:
             for p, g in zip(params, grads):
                 p.requires_grad_().grad = g
@@ -118,65 +191,55 @@ def gil_figure(args: argparse.Namespace) -> List[Dict[str, Any]]:
         return step
 
     n = args.gil_steps
+    kinds = [("funcopt script", a) for a in args.gil_algos]
+    if "Adam" in args.gil_algos:
+        kinds += [("funcopt eager", "Adam"), ("torch.optim fused", "Adam")]
+    kinds += [("control: torch.mm (no GIL)", ""), ("control: Python (GIL)", "")]
     rows = []
     old = torch.get_num_threads()
     for threads in args.gil_intra_threads:
         torch.set_num_threads(threads)
-        print(f"\nGIL figure: 2 Python threads x {n} Adam steps each over {len(shapes)} x {TINY_NUMEL} fp32, "
-              f"torch.set_num_threads({threads}); median of {args.gil_rounds} rounds, "
-              f"each round sequential then concurrent")
-        print(f"  {'optimizer':<27}{'1 thread ms/step':>17}{'sequential s':>14}{'concurrent s':>14}{'speedup':>9}"
-              f"{'CPU/wall seq':>14}{'CPU/wall conc':>15}")
-        for kind in ("funcopt script fused", "funcopt eager fused", "torch.optim fused",
-                     "control: torch.mm (no GIL)", "control: Python (GIL)"):
-            a, b = make(kind), make(kind)
-
-            def loop(f: Step) -> None:
-                for _ in range(n):
-                    f()
-
-            seq, con, ratio, util_seq, util_con = [], [], [], [], []
+        print(f"\nGIL figure: 2 Python threads x {n} steps each over {len(shapes)} x {TINY_NUMEL} fp32, "
+              f"torch.set_num_threads({threads}); median of {args.gil_rounds} rounds, each round sequential then "
+              f"concurrent, then the same for the ceiling (a TorchScript loop p.mul_().add_(g) over as many "
+              f"tensors: two threads that never hold the GIL)")
+        print(f"  {'optimizer':<34}{'1 thread ms/step':>17}{'sequential s':>14}{'concurrent s':>14}{'speedup':>9}"
+              f"{'ceiling':>9}{'/ceiling':>9}{'CPU/wall seq':>14}{'CPU/wall conc':>15}")
+        for kind, algo in kinds:
+            impl = ""
+            a, b = make(kind, algo), make(kind, algo)
+            ca, cb = make("ceiling", ""), make("ceiling", "")
+            seq, con, ratio, ceil, vs, util_seq, util_con = [], [], [], [], [], [], []
             with no_gc():
                 for _ in range(args.gil_rounds):
-                    c0, t0 = time.process_time(), time.perf_counter()
-                    loop(a)
-                    loop(b)
-                    t_seq = time.perf_counter() - t0
-                    util_seq.append((time.process_time() - c0) / t_seq)
-                    barrier = threading.Barrier(3)
-
-                    def worker(f: Step) -> None:
-                        barrier.wait()
-                        loop(f)
-
-                    ths = [threading.Thread(target=worker, args=(f,)) for f in (a, b)]
-                    for t in ths:
-                        t.start()
-                    barrier.wait()
-                    c0, t0 = time.process_time(), time.perf_counter()
-                    for t in ths:
-                        t.join()
-                    t_con = time.perf_counter() - t0
-                    util_con.append((time.process_time() - c0) / t_con)
+                    t_seq, t_con, u_seq, u_con = _seq_con(a, b, n)
+                    c_seq, c_con, _, _ = _seq_con(ca, cb, n)
                     seq.append(t_seq)
                     con.append(t_con)
                     ratio.append(t_seq / t_con)
-            row = dict(kind=kind, intra_threads=threads, steps=n, rounds=args.gil_rounds,
-                       seq_s=statistics.median(seq), con_s=statistics.median(con),
-                       speedup=statistics.median(ratio), speedups=ratio, cpu_per_wall_seq=statistics.median(util_seq),
+                    ceil.append(c_seq / c_con)
+                    vs.append(ratio[-1] / ceil[-1])
+                    util_seq.append(u_seq)
+                    util_con.append(u_con)
+            label = f"{kind} {algo}".strip() + (f" ({impl})" if impl else "")
+            row = dict(kind=kind, algo=algo, impl=impl, label=label, intra_threads=threads, steps=n,
+                       rounds=args.gil_rounds, seq_s=statistics.median(seq), con_s=statistics.median(con),
+                       speedup=statistics.median(ratio), speedups=ratio, ceiling=statistics.median(ceil),
+                       ceilings=ceil, vs_ceiling=vs, cpu_per_wall_seq=statistics.median(util_seq),
                        cpu_per_wall_con=statistics.median(util_con), loadavg=os.getloadavg())
             rows.append(row)
-            print(f"  {kind:<27}{row['seq_s'] / (2 * n) * 1e3:>17.2f}{row['seq_s']:>14.3f}{row['con_s']:>14.3f}"
-                  f"{row['speedup']:>8.2f}x{row['cpu_per_wall_seq']:>14.2f}{row['cpu_per_wall_con']:>15.2f}"
+            print(f"  {label:<34}{row['seq_s'] / (2 * n) * 1e3:>17.2f}{row['seq_s']:>14.3f}{row['con_s']:>14.3f}"
+                  f"{row['speedup']:>8.2f}x{row['ceiling']:>8.2f}x{statistics.median(vs):>8.2f}x"
+                  f"{row['cpu_per_wall_seq']:>14.2f}{row['cpu_per_wall_con']:>15.2f}"
                   f"   (rounds: {', '.join(f'{r:.2f}' for r in ratio)}; load avg {row['loadavg'][0]:.1f})")
-            del a, b
+            del a, b, ca, cb
     torch.set_num_threads(old)
     return rows
 
 
 # --------------------------------------------------------------------------- profile
 def profile(args: argparse.Namespace, logdir: Optional[str] = None) -> None:
-    """TensorBoard traces (``tensorboard_trace_handler``) of scripted fused funcopt.Adam and torch.optim
+    """TensorBoard traces (``tensorboard_trace_handler``) of scripted funcopt.Adam (its default: fused) and torch.optim
     fused Adam, one per size, into ``logdir`` (default ``args.profile_dir``)."""
     from torch.profiler import ProfilerActivity, record_function, schedule, tensorboard_trace_handler
 
@@ -186,7 +249,7 @@ def profile(args: argparse.Namespace, logdir: Optional[str] = None) -> None:
         grads = make_tensors(shapes, 1, 1.0)
         built = []
         for name, build in peers_for("Adam"):
-            if name in ("funcopt script fused", "torch.optim fused"):
+            if name in ("funcopt script", "torch.optim fused"):
                 step, why = build(make_tensors(shapes, 0, 0.02), grads)
                 if step is not None:
                     step()
@@ -212,49 +275,74 @@ def profile(args: argparse.Namespace, logdir: Optional[str] = None) -> None:
 
 # --------------------------------------------------------------------------- markdown
 def render_markdown(results: Dict[str, Any]) -> str:
-    """The tables of a run (or of its --json file) as Markdown, one table per size."""
+    """The tables of a run (or of its --json file) as Markdown: issue 21's summary, then one
+    table per (size, threads) with every peer's ms/step and ratio to the one-pass limit, the
+    GIL figure and the run's first-use cost and load averages."""
+    from . import _step_limits as limits
+
     lines: List[str] = []
     cases = results.get("cases", [])
-    bw = max((b["inplace_best"] for b in results.get("bandwidth", [])), default=0.0)
-    sizes: List[str] = []
+    native = results.get("native", {})
+    if native.get("line"):
+        lines += [f"First-use cost: {native['line']}.", ""]
+    l0, l1 = results.get("loadavg_start"), results.get("loadavg_end")
+    if l0 and l1:
+        lines += [f"Load average (1 / 5 / 15 min) at start {l0[0]:.2f} / {l0[1]:.2f} / {l0[2]:.2f}, at the end "
+                  f"{l1[0]:.2f} / {l1[1]:.2f} / {l1[2]:.2f}, {results.get('cpus')} CPUs.", ""]
+    summary = limits.markdown(results)
+    if summary:
+        lines += [summary]
+    groups: List[Tuple[str, int]] = []
     for c in cases:
-        if c["size"] not in sizes:
-            sizes.append(c["size"])
-    for size in sizes:
-        row = [c for c in cases if c["size"] == size]
+        key = (c["size"], c.get("threads", 0))
+        if key not in groups:
+            groups.append(key)
+    for size, threads in groups:
+        row = [c for c in cases if (c["size"], c.get("threads", 0)) == (size, threads)]
         first = row[0]
-        lines.append(f"**{size}**: {first['numel']:,} params in {first['tensors']} tensors; median ms/step "
-                     f"(x = / torch.optim fused), load avg {first['loadavg'][0]:.1f}, process got "
+        bw = limits.best_bandwidth(results, threads)
+        lines.append(f"**{size}, {threads} intra-op thread(s)**: {first['numel']:,} params in {first['tensors']} "
+                     f"tensors; median ms/step and x = / the one-pass limit (B/elem x params / {bw:.1f} GB/s, the "
+                     f"run's best a.add_(b) at {threads} thread(s)), load avg {first['loadavg'][0]:.1f}, process got "
                      f"{first['cpu_per_wall']:.2f} CPUs")
         lines.append("")
         lines.append("| peer | " + " | ".join(f"{c['algo']} ms | x" for c in row) + " |")
         lines.append("|---|" + "---:|---:|" * len(row))
+        lines.append("| B/elem (limit ms) | " + " | ".join(
+            f"{c['bytes_per_param']:.1f} | ({c['bytes_per_param'] * c['numel'] / (bw * 1e9) * 1e3:.2f})" if bw
+            else f"{c['bytes_per_param']:.1f} | -" for c in row) + " |")
         peers: List[str] = []
         for c in row:
             peers += [p for p in c["median_s"] if p not in peers]
         for p in peers:
             cells = []
             for c in row:
-                t, tf = c["median_s"].get(p), c["median_s"].get("torch.optim fused")
-                cells.append(f"{t * 1e3:.2f} | {t / tf:.2f}" if t and tf else (f"{t * 1e3:.2f} | -" if t else "- | -"))
+                t = c["median_s"].get(p)
+                lim = c["bytes_per_param"] * c["numel"] / (bw * 1e9) if bw else 0.0
+                cells.append(f"{t * 1e3:.2f} | {t / lim:.2f}" if t and lim
+                             else (f"{t * 1e3:.2f} | -" if t else "- | -"))
             lines.append(f"| {p} | " + " | ".join(cells) + " |")
-        skipped = sorted({n.split(":")[0] for c in row for n in c["notes"] if "skipped" in n})
+        skipped = sorted({n.split(":")[0] for c in row for n in c["notes"] if "skipped" in n or "not run" in n})
         if skipped:
             lines.append("")
-            lines.append(f"Not run at this size (time): {', '.join(skipped)}.")
+            lines.append(f"Not run at this size: {', '.join(skipped)} (see the notes of the run).")
+        compiles = [f"{c['algo']} {n}" for c in row for n in c["notes"] if " compiled: compiled (" in n]
+        if compiles:
+            lines.append("")
+            lines.append("Compile time (not in the step times): " + "; ".join(compiles) + ".")
         lines.append("")
-    adam = [c for c in cases if c["algo"] == "Adam"]
-    if adam and bw:
-        lines.append(f"**Adam, effective bandwidth** (28 B/param / median step time; reference: best "
-                     f"`a.add_(b)` {bw:.1f} GB/s)")
+    gil = results.get("gil", [])
+    if gil:
+        lines.append(f"**GIL figure**: 2 Python threads x {gil[0]['steps']} steps over {results.get('gil_tensors')} "
+                     f"x {TINY_NUMEL} fp32, median of {gil[0]['rounds']} rounds; ceiling: the same two-thread run "
+                     "of a TorchScript loop (no GIL held), paired per round")
         lines.append("")
-        lines.append("| size | funcopt script fused GB/s | % of ref | torch.optim fused GB/s | % of ref |")
-        lines.append("|---|---:|---:|---:|---:|")
-        for c in adam:
-            sf, tf = c["median_s"].get("funcopt script fused"), c["median_s"].get("torch.optim fused")
-            g1 = 28 * c["numel"] / sf / 1e9 if sf else 0.0
-            g2 = 28 * c["numel"] / tf / 1e9 if tf else 0.0
-            lines.append(f"| {c['size']} | {g1:.1f} | {100 * g1 / bw:.0f}% | {g2:.1f} | {100 * g2 / bw:.0f}% |")
+        lines.append("| optimizer | intra-op threads | 1 thread ms/step | speedup | ceiling | / ceiling |")
+        lines.append("|---|---:|---:|---:|---:|---:|")
+        for r in gil:
+            vs = statistics.median(r["vs_ceiling"]) if r.get("vs_ceiling") else 0.0
+            lines.append(f"| {r.get('label', r['kind'])} | {r['intra_threads']} | "
+                         f"{r['seq_s'] / (2 * r['steps']) * 1e3:.2f} | {r['speedup']:.2f}x | "
+                         f"{r.get('ceiling', 0):.2f}x | {vs:.2f}x |")
         lines.append("")
     return "\n".join(lines)
-

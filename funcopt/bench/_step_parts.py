@@ -18,42 +18,44 @@ import torch
 import funcopt
 from funcopt.script import quiet_jit
 
+from ._step_limits import per_element_bytes, traffic
+
 Step = Callable[[], Any]
 
 # --------------------------------------------------------------------------- cases
 # hand-picked settings for the algorithms with an ATen fused kernel; every
 # other registry algorithm is benchmarked with its registry ``base`` settings
 _KNOWN: Dict[str, Dict[str, Any]] = {
-    # name: hyperparameters (torch.optim kwargs), bytes a step must move per fp32 param
-    "Adam": dict(kw=dict(lr=1e-3), bytes=28),
-    "AdamW": dict(kw=dict(lr=1e-3, weight_decay=1e-2), bytes=28),
-    # read p, g, buf; write p, buf
-    "SGD": dict(kw=dict(lr=1e-2, momentum=0.9), bytes=20),
-    # read p, g, sum; write p, sum
-    "Adagrad": dict(kw=dict(lr=1e-2), bytes=20),
+    # name: hyperparameters (torch.optim kwargs)
+    "Adam": dict(kw=dict(lr=1e-3)),
+    "AdamW": dict(kw=dict(lr=1e-3, weight_decay=1e-2)),
+    "SGD": dict(kw=dict(lr=1e-2, momentum=0.9)),
+    "Adagrad": dict(kw=dict(lr=1e-2)),
 }
 
 
 def algo_info(algo: str) -> Dict[str, Any]:
-    """``kw`` (hyperparameters), ``bytes`` (memory traffic per fp32 parameter:
-    read p and g, read and write p and each per-element state tensor) and
-    ``functional`` (torch's scripted functional twin, if torch has one)."""
+    """``kw`` (hyperparameters), ``bytes`` (one pass's memory traffic per fp32
+    parameter: read p and g, write p, read and write each per-element state
+    tensor these hyperparameters turn on; 28 for Adam; a case's exact figure,
+    per-tensor scalars and factored state included, is
+    :func:`funcopt.bench._step_limits.traffic`) and ``functional`` (torch's
+    scripted functional twin, if torch has one)."""
     from funcopt.registry import REGISTRY
 
     spec = REGISTRY[algo]
     info = dict(_KNOWN.get(algo, {}))
-    if "kw" not in info:
-        info["kw"] = dict(spec.base)
-        on = [name for name, cond in spec.cls.slots if name != "step" and (cond is None or info["kw"].get(cond))]
-        info["bytes"] = 4 * (2 + 2 * len(on)) + 4  # p, g read; each slot read + written; p written
+    info.setdefault("kw", dict(spec.base))
+    info["bytes"] = per_element_bytes(algo, info["kw"])
     info["functional"] = (f"functional_{algo.lower()}", f"_Functional{algo}")
     return info
 
 
 DEFAULT_SIZES = "1M,16M,64M,tiny"
 TINY_COUNT, TINY_NUMEL = 2000, 1024
-# peers left out at or above this many parameters unless --all-peers (time, not memory)
-HEAVY_PEERS = ("funcopt eager foreach", "funcopt eager fused", "torch.optim for-loop")
+# peers left out at or above this many parameters unless --all-peers (time, not memory;
+# torch's scripted functional twin runs torch's for-loop formula, which is measured)
+HEAVY_PEERS = ("torch functional script",)
 HEAVY_NUMEL = 48 * 2**20
 
 
@@ -95,7 +97,16 @@ def fmt_numel(n: int) -> str:
 
 
 # --------------------------------------------------------------------------- peers
+def impl_note(opt: Any) -> str:
+    """What ``impl='auto'`` runs for ``opt`` on these (CPU float32) parameters."""
+    if opt.uses_native:
+        return "native"
+    return "fused" if "cpu" in type(opt).fused_devices and opt.impl != "foreach" else "foreach"
+
+
 def funcopt_peer(algo: str, impl: str, scripted: bool) -> Callable[..., Tuple[Optional[Step], str]]:
+    """funcopt's optimizer, ``impl`` ("auto": the default), eager or ``funcopt.script``-ed.
+    On success the second value is a note (what ``impl="auto"`` runs)."""
     def build(params: List[torch.Tensor], grads: List[torch.Tensor]) -> Tuple[Optional[Step], str]:
         cls = getattr(funcopt, algo, None)
         if cls is None:
@@ -103,19 +114,61 @@ def funcopt_peer(algo: str, impl: str, scripted: bool) -> Callable[..., Tuple[Op
         if impl == "fused" and "cpu" not in cls.fused_devices:
             return None, f"torch has no fused CPU kernel for {algo}"
         opt = cls(params, impl=impl, **algo_info(algo)["kw"])
+        note = f"impl='auto' runs {impl_note(opt)}" if impl == "auto" and scripted else ""
         if scripted:
             opt = funcopt.script(opt)
-        return (lambda: opt.step(grads)), ""
+        return (lambda: opt.step(grads)), note
+
+    return build
+
+
+def compiled(fn: Callable[..., Any], args: Tuple[Any, ...], fullgraph: bool, calls: int = 3) -> Tuple[Step, str]:
+    """``torch.compile(fn)``, called ``calls`` times (trace, compile, the recompile once the
+    first step made state); the step and a note with that compile time, which the timed steps
+    do not include.  ``fullgraph`` falls back to graph breaks where tracing one graph fails."""
+    from torch._dynamo.utils import counters
+
+    graphs0 = counters["stats"]["unique_graphs"]
+    w0, c0 = time.perf_counter(), time.process_time()
+    how = "fullgraph" if fullgraph else "graph breaks allowed"
+    cfn = torch.compile(fn, fullgraph=fullgraph)
+    try:
+        cfn(*args)
+    except Exception as e:  # torch._dynamo.exc.Unsupported and friends
+        if not fullgraph:
+            raise
+        how = f"fullgraph failed ({type(e).__name__}: {str(e).splitlines()[0][:80]}), graph breaks allowed"
+        cfn = torch.compile(fn)
+        cfn(*args)
+    for _ in range(calls - 1):
+        cfn(*args)
+    wall, cpu = time.perf_counter() - w0, time.process_time() - c0
+    graphs = counters["stats"]["unique_graphs"] - graphs0
+    note = (f"compiled ({how}, {graphs} graph(s)) in {wall:.1f} s wall / {cpu:.1f} s CPU over its first "
+            f"{calls} calls; not in the step times")
+    return (lambda: cfn(*args)), note
+
+
+def funcopt_compiled_peer(algo: str) -> Callable[..., Tuple[Optional[Step], str]]:
+    """``torch.compile(opt.step, fullgraph=True)`` of the default eager funcopt optimizer."""
+    def build(params: List[torch.Tensor], grads: List[torch.Tensor]) -> Tuple[Optional[Step], str]:
+        cls = getattr(funcopt, algo, None)
+        if cls is None:
+            return None, f"funcopt.{algo} does not exist (yet) in this checkout"
+        opt = cls(params, **algo_info(algo)["kw"])
+        return compiled(opt.step, (grads,), True)
 
     return build
 
 
 def torch_peer(algo: str, mode: str) -> Callable[..., Tuple[Optional[Step], str]]:
+    """torch.optim's ``mode``: "loop" (foreach=False), "foreach", "fused", or "compiled":
+    ``torch.compile(opt.step)`` of the default optimizer with the gradients set (torch's recipe)."""
     def build(params: List[torch.Tensor], grads: List[torch.Tensor]) -> Tuple[Optional[Step], str]:
         leaves = [p.requires_grad_() for p in params]
         for p, g in zip(leaves, grads):
             p.grad = g  # shared, read-only for these hyperparameters (checked after timing)
-        flags = dict(foreach=False, fused=False) if mode == "loop" else {mode: True}
+        flags = dict(foreach=False, fused=False) if mode == "loop" else {} if mode == "compiled" else {mode: True}
         try:
             from funcopt.registry import REGISTRY
 
@@ -126,6 +179,8 @@ def torch_peer(algo: str, mode: str) -> Callable[..., Tuple[Optional[Step], str]
             opt = REGISTRY[algo].torch_cls(leaves, **algo_info(algo)["kw"], **flags)
         except (RuntimeError, ValueError, TypeError) as e:
             return None, f"torch.optim.{algo}({mode}=True) refused: {e}"
+        if mode == "compiled":
+            return compiled(opt.step, (), False)
         return opt.step, ""
 
     return build
@@ -200,18 +255,42 @@ def aten_peer(algo: str) -> Callable[..., Tuple[Optional[Step], str]]:
     return build
 
 
+COMPILED_PEERS = ("funcopt compiled", "torch.optim compiled")
+
+
 def peers_for(algo: str) -> List[Tuple[str, Callable[..., Tuple[Optional[Step], str]]]]:
+    """Every peer of ``algo``, funcopt's default (impl="auto") first."""
     return [
-        ("funcopt eager foreach", funcopt_peer(algo, "foreach", False)),
-        ("funcopt eager fused", funcopt_peer(algo, "fused", False)),
+        ("funcopt script", funcopt_peer(algo, "auto", True)),
+        ("funcopt eager", funcopt_peer(algo, "auto", False)),
+        ("funcopt compiled", funcopt_compiled_peer(algo)),
         ("funcopt script foreach", funcopt_peer(algo, "foreach", True)),
-        ("funcopt script fused", funcopt_peer(algo, "fused", True)),
         ("torch.optim for-loop", torch_peer(algo, "loop")),
         ("torch.optim foreach", torch_peer(algo, "foreach")),
         ("torch.optim fused", torch_peer(algo, "fused")),
+        ("torch.optim compiled", torch_peer(algo, "compiled")),
         ("torch functional script", functional_peer(algo)),
         ("aten fused (direct)", aten_peer(algo)),
     ]
+
+
+def skip_reason(name: str, algo: str, size: str, numel: int, args: argparse.Namespace) -> str:
+    """Why peer ``name`` does not run in this case ("" : it runs)."""
+    from funcopt.registry import REGISTRY
+
+    if args.peers and not any(s in name for s in args.peers):
+        return "-"  # filtered out: no note
+    if name in COMPILED_PEERS:
+        if args.no_compile:
+            return "not run (--no-compile)"
+        wanted = size in args.compile_sizes if args.compile_sizes else size != "tiny"
+        if not wanted:
+            return "not run at this size (--compile-sizes; compiling over 2000 tensors takes many minutes)"
+    if name == "funcopt script foreach" and REGISTRY[algo].native_rule is None and not args.all_peers:
+        return "not run: funcopt script (impl='auto') already runs the fused kernel or the foreach formula here"
+    if numel >= HEAVY_NUMEL and name in HEAVY_PEERS and not args.all_peers:
+        return "skipped at this size to keep the run short (--all-peers runs it)"
+    return ""
 
 
 # --------------------------------------------------------------------------- timing
@@ -269,6 +348,8 @@ def measure_bandwidth(numel: int = 64 * 2**20, repeats: int = 10) -> Dict[str, f
 
 # --------------------------------------------------------------------------- cases
 def run_case(algo: str, size: str, args: argparse.Namespace, bw: float) -> Dict[str, Any]:
+    """One (algorithm, size) case at the current intra-op thread count: build every peer,
+    time them interleaved, print the table (``bw``: GB/s for %BW and the limit)."""
     from funcopt.registry import REGISTRY
 
     spec = REGISTRY[algo]
@@ -277,19 +358,29 @@ def run_case(algo: str, size: str, args: argparse.Namespace, bw: float) -> Dict[
     base = make_tensors(shapes, 0, 0.02)
     grads = make_tensors(shapes, 1, 1.0)
     gsum = float(sum(g.double().sum() for g in grads))
-    heavy = numel >= HEAVY_NUMEL and not args.all_peers
     names, steps, notes = [], [], []
-    for name, build in peers_for(algo):
-        if args.peers and not any(s in name for s in args.peers):
-            continue
-        if heavy and name in HEAVY_PEERS:
-            notes.append(f"{name}: skipped at this size to keep the run short (--all-peers runs it)")
-            continue
-        params = [p.clone() for p in base]
-        step, why = build(params, grads)
-        if step is None:
+    impl = ""
+    chosen = [(n, b) for n, b in peers_for(algo) if skip_reason(n, algo, size, numel, args) != "-"]
+    if any(n in COMPILED_PEERS and not skip_reason(n, algo, size, numel, args) for n, _ in chosen):
+        torch._dynamo.reset()  # a fresh cache per case: no recompile limit reached across cases
+    for name, build in chosen:
+        why = skip_reason(name, algo, size, numel, args)
+        if why:
             notes.append(f"{name}: {why}")
             continue
+        params = [p.clone() for p in base]
+        try:
+            step, why = build(params, grads)
+        except Exception as e:  # a compiler failure is a finding, not the end of the run
+            if name not in COMPILED_PEERS:
+                raise
+            step, why = None, f"torch.compile failed: {type(e).__name__}: {str(e).strip().splitlines()[0][:160]}"
+        if why:
+            notes.append(f"{name}: {why}")
+        if step is None:
+            continue
+        if name == "funcopt script":
+            impl = why.rsplit(" ", 1)[-1]
         names.append(name)
         steps.append(step)
     del base
@@ -302,9 +393,10 @@ def run_case(algo: str, size: str, args: argparse.Namespace, bw: float) -> Dict[
         notes.append("WARNING: a peer modified the shared gradients; figures are suspect")
     med = {n: statistics.median(t) for n, t in zip(names, times)}
     spread = {n: (min(t), max(t)) for n, t in zip(names, times)}
+    tr = traffic(algo, algo_info(algo)["kw"], shapes)
     res = dict(algo=algo, size=size, numel=numel, tensors=len(shapes), repeats=repeats, warmup=args.warmup,
-               bytes_per_param=algo_info(algo)["bytes"], median_s=med, min_max_s=spread, notes=notes,
-               times_s={n: t for n, t in zip(names, times)},
+               threads=torch.get_num_threads(), bytes_per_param=tr["bytes"], slots=tr["slots"], impl=impl,
+               median_s=med, min_max_s=spread, notes=notes, times_s={n: t for n, t in zip(names, times)},
                wall_s=wall, cpu_per_wall=cpu_per_wall, loadavg=os.getloadavg())
     print_case(res, bw)
     del steps
@@ -316,18 +408,21 @@ def print_case(res: Dict[str, Any], bw: float) -> None:
     med: Dict[str, float] = res["median_s"]
     fused, foreach = med.get("torch.optim fused"), med.get("torch.optim foreach")
     bpp = res["bytes_per_param"]
+    limit = bpp * res["numel"] / (bw * 1e9) if bw else 0.0
     print(f"\n{res['algo']}, {res['size']} ({res['numel']:,} params in {res['tensors']} tensors), "
-          f"median of {res['repeats']} interleaved steps (after {res['warmup']} warm-up), "
-          f"load avg {res['loadavg'][0]:.2f}, this process got {res['cpu_per_wall']:.2f} CPUs")
+          f"{res.get('threads', '?')} intra-op thread(s), median of {res['repeats']} interleaved steps "
+          f"(after {res['warmup']} warm-up), load avg {res['loadavg'][0]:.2f}, this process got "
+          f"{res['cpu_per_wall']:.2f} CPUs")
     print(f"  {'peer':<26}{'ms/step':>10}{'min..max ms':>17}{'/t.fused':>10}{'/t.foreach':>11}"
-          f"{'GB/s':>8}{'%BW':>6}   ({bpp} B/param)")
+          f"{'GB/s':>8}{'%BW':>6}{'x limit':>9}   ({bpp:.2f} B/elem: p, g + {', '.join(res.get('slots', [])) or '-'}; "
+          f"limit {limit * 1e3:.2f} ms)")
     for name, t in med.items():
         lo, hi = res["min_max_s"][name]
         r1 = f"{t / fused:.2f}x" if fused else "-"
         r2 = f"{t / foreach:.2f}x" if foreach else "-"
         gbs = bpp * res["numel"] / t / 1e9
+        xl = f"{t / limit:.2f}x" if limit else "-"
         print(f"  {name:<26}{t * 1e3:>10.2f}{f'{lo * 1e3:.1f}..{hi * 1e3:.1f}':>17}{r1:>10}{r2:>11}"
-              f"{gbs:>8.1f}{100 * gbs / bw:>5.0f}%")
+              f"{gbs:>8.1f}{100 * gbs / bw if bw else 0:>5.0f}%{xl:>9}")
     for n in res["notes"]:
         print(f"  note: {n}")
-

@@ -8,9 +8,22 @@ the median of the per-step times.
 
 Peers (where they exist for the algorithm):
 
-* funcopt eager / scripted (``funcopt.script``), ``impl="foreach"`` / ``"fused"``
+* funcopt scripted (``funcopt.script``) and eager with the default
+  ``impl="auto"`` (the native one-pass rule for RMSprop, Adamax, Adadelta,
+  NAdam, RAdam, ASGD, Rprop and Lion; torch's fused kernel for Adam, AdamW,
+  SGD and Adagrad; the foreach formula for Adafactor and Muon), and scripted
+  ``impl="foreach"`` (the fallback where no compiler exists; algorithms with a
+  native rule only unless ``--all-peers``)
+* funcopt compiled: ``torch.compile(opt.step, fullgraph=True)`` of the default
+  eager optimizer
 * ``torch.optim`` for-loop (``foreach=False``), ``foreach=True``, ``fused=True``
-  (``p.grad`` is set once before timing; the gradients never change)
+  (``p.grad`` is set once before timing; the gradients never change), and
+  compiled: ``torch.compile(opt.step)`` of the default ``torch.optim``
+  optimizer (torch's recipe).  Compiled peers are warmed up (three calls:
+  trace, compile, the recompile once state exists) before timing; that
+  compile time is printed as a note, never counted in a step.  They do not
+  run at the tiny size unless ``--compile-sizes`` names it (compiling over
+  2000 tensors takes many minutes), nor with ``--no-compile``
 * torch's scripted functional optimizer
   (``torch.distributed.optim.functional_*``, ``torch.jit.script``-ed; it
   refuses foreach and fused, so it runs its single-tensor loop)
@@ -21,17 +34,25 @@ Peers (where they exist for the algorithm):
   lists of 2000 tensors here, on each call).
 
 Also printed: the machine's measured memory bandwidth (``torch.add(out=)`` over
-64M floats), effective GB/s of each step (bytes a step must move per parameter
-/ time; 28 B for Adam: read p, g, m, v, write p, m, v), a breakdown of
-funcopt's per-step overhead on many small tensors, and the GIL figure: two
-Python threads each stepping their own optimizer, concurrently vs one after
-the other.
+64M floats, before each size at each thread count), effective GB/s of each
+step and its ratio to the one-pass limit (bytes a step must move per parameter
+element x elements / the bandwidth; 28 B for Adam: read p, g, m, v, write p,
+m, v; every algorithm's in :mod:`funcopt.bench._step_limits`), issue 21's
+summary table per (algorithm, size, threads) with its target verdicts, the
+native library's first-use cost, a breakdown of funcopt's per-step overhead
+on many small tensors, and the GIL figure: two Python threads each stepping
+their own optimizer, concurrently vs one after the other, per ``--gil-algos``
+algorithm, against the same two-thread run of a pure TorchScript workload
+(the machine's ceiling).
 
 Examples::
 
-    funcopt bench step                  # the full run (a few minutes on 2 cores)
+    funcopt bench step                  # the full run (an hour or more on 2 cores: every
+                                        # algorithm, peer and size; cut it with --algos,
+                                        # --sizes, --threads, --peers, --no-compile)
     funcopt bench step --quick          # smoke run (well under a minute)
     funcopt bench step --algos Adam --sizes 16M,tiny --repeats 30
+    funcopt bench step --algos RMSprop,Adam --sizes tiny,1M --threads 1,all --no-compile
     funcopt bench step --threads-only   # only the GIL figure
     funcopt bench step --profile --algos Adam --sizes tiny   # only TensorBoard traces, in runs/step
     funcopt bench step --quick --trace runs/step             # the tables, then traces into runs/step
@@ -59,7 +80,7 @@ def _algo_names() -> List[str]:
     return list(REGISTRY)
 # what `funcopt bench --quick` runs of this layer
 QUICK = ("--quick", "--algos", "Adam", "--sizes", "1M,tiny", "--warmup", "2", "--gil-tensors", "500",
-         "--peers", "script fused,torch.optim fused,functional script")
+         "--peers", "funcopt script,torch.optim fused,functional script", "--no-compile")
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -73,7 +94,13 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps per peer first (default: %(default)s)")
     ap.add_argument("--peers", default="", help="only peers whose name contains one of these (comma list)")
     ap.add_argument("--all-peers", action="store_true",
-                    help="also run the eager funcopt and torch.optim for-loop peers at >= 48M params")
+                    help="also run torch's scripted functional optimizers at >= 48M params, and funcopt "
+                         "script foreach for algorithms without a native rule")
+    ap.add_argument("--no-compile", action="store_true",
+                    help="skip the compiled peers (funcopt compiled, torch.optim compiled)")
+    ap.add_argument("--compile-sizes", default="",
+                    help="sizes at which the compiled peers run (comma list, or 'all'; default: every size "
+                         "but tiny)")
     ap.add_argument("--profile", action="store_true",
                     help="only write TensorBoard traces of scripted fused funcopt.Adam and torch.optim fused Adam")
     ap.add_argument("--profile-dir", default="runs/step")
@@ -87,9 +114,14 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="tensors of 1024 floats per optimizer in the GIL figure (default: %(default)s)")
     ap.add_argument("--gil-intra-threads", default="1",
                     help="torch intra-op thread counts to run the GIL figure with (default: %(default)s)")
-    ap.add_argument("--threads", type=int, default=0,
-                    help="torch.set_num_threads for the tables (default: torch's own choice)")
-    ap.add_argument("--quick", action="store_true", help="smoke run: 1M and tiny, few repeats")
+    ap.add_argument("--gil-algos", default="Adam",
+                    help="algorithms of the GIL figure, each with its default scripted optimizer (comma list "
+                         "or 'all'; default: %(default)s)")
+    ap.add_argument("--threads", default="0",
+                    help="torch.set_num_threads for the tables: a count, or a comma list run one after the "
+                         "other ('all' = every CPU; e.g. 1,all); 0: torch's own choice (default)")
+    ap.add_argument("--quick", action="store_true",
+                    help="smoke run: 1M and tiny, few repeats, no compiled peers unless --compile-sizes")
     ap.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     ap.add_argument("--json", default="", help="also write all results to this JSON file")
     ap.add_argument("--markdown", default="", help="also write the tables as Markdown to this file")
@@ -112,9 +144,18 @@ def check(args: argparse.Namespace) -> Optional[str]:
         args.repeats = args.repeats or 3
         args.warmup = min(args.warmup, 2)
         args.gil_steps, args.gil_rounds = min(args.gil_steps, 5), 1
-    for name in ("warmup", "threads"):
-        if getattr(args, name) < 0:
-            return f"--{name} must be at least 0, got {getattr(args, name)}"
+    if args.warmup < 0:
+        return f"--warmup must be at least 0, got {args.warmup}"
+    if isinstance(args.threads, str):
+        try:
+            args.threads = [(os.cpu_count() or 1) if t.strip() == "all" else int(t)
+                            for t in args.threads.split(",") if t.strip()]
+        except ValueError:
+            return f"--threads: {args.threads!r} is not a count or a comma list of counts and 'all'"
+    if isinstance(args.threads, int):  # a caller's Namespace from before the list
+        args.threads = [args.threads]
+    if not args.threads or min(args.threads) < 0:
+        return f"--threads must be at least 0, got {args.threads}"
     if args.repeats < 0 or (args.repeats == 0 and args.repeats_given):
         return f"--repeats must be at least 1, got {args.repeats}"
     for name in ("gil_steps", "gil_rounds", "gil_tensors"):
@@ -124,9 +165,16 @@ def check(args: argparse.Namespace) -> Optional[str]:
         a.strip() for a in args.algos.split(",") if a.strip()]
     args.sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
     args.peers = [p.strip() for p in args.peers.split(",") if p.strip()]
-    for a in args.algos:
+    cs = getattr(args, "compile_sizes", "")
+    args.compile_sizes = args.sizes if cs.strip() == "all" else [s.strip() for s in cs.split(",") if s.strip()]
+    # --quick: no compiled peers unless --compile-sizes asks for them (a compile takes 10-40 s)
+    args.no_compile = getattr(args, "no_compile", False) or (args.quick and not cs.strip())
+    ga = getattr(args, "gil_algos", "Adam")
+    args.gil_algos = _algo_names() if ga.strip() == "all" else [a.strip() for a in ga.split(",") if a.strip()]
+    for a in args.algos + args.gil_algos:
         if a not in _algo_names():
-            return f"--algos: unknown algorithm {a!r}; choose from {', '.join(_algo_names())}"
+            which = "--algos" if a in args.algos else "--gil-algos"
+            return f"{which}: unknown algorithm {a!r}; choose from {', '.join(_algo_names())}"
     if not args.algos or not args.sizes:
         return "--algos and --sizes need at least one entry"
     for s in args.sizes:
@@ -142,42 +190,33 @@ def check(args: argparse.Namespace) -> Optional[str]:
 
 
 def summary_rows(results: Dict[str, Any]) -> List[Dict[str, Any]]:
-    """Ratios per repeat (interleaved: repeat r of every peer ran back to back), with targets:
-    scripted fused funcopt.Adam <= 1.05x torch.optim fused; >= 4x faster than torch's scripted
-    functional optimizer at 16M; two threads >= 1.8x one (one intra-op thread)."""
-    rows: List[Dict[str, Any]] = []
+    """Ratios per repeat (interleaved: repeat r of every peer ran back to back), with targets.
+
+    Issue 21 (:func:`funcopt.bench._step_limits.verdict_rows`): funcopt's default scripted step
+    <= 1.3x the one-pass limit (elementwise rules, 16M/64M); <= 0.5x torch.optim's fastest eager
+    implementation (<= 1.0x where torch has a fused kernel; <= 0.5x for all at tiny); funcopt
+    compiled <= 1.0x min(torch.optim compiled, funcopt eager).  Issue 11: torch's scripted
+    functional optimizer >= 4x (fused kernel) / >= 2.5x slower at 16M; two Python threads
+    >= 1.8x one (one intra-op thread), and that speedup against the machine's ceiling."""
+    from ._step_limits import OURS, verdict_rows
+
+    rows: List[Dict[str, Any]] = verdict_rows(results)
     for c in results.get("cases", []):
         t = c.get("times_s", {})
-        sf, tf, fs = (t.get(k) for k in ("funcopt script fused", "torch.optim fused", "torch functional script"))
-        name = f"{c['algo']} {c['size']}"
-        if sf and tf:
-            rows.append(ratio_row("step", f"{name}: script fused / torch.optim fused",
-                                  [a / b for a, b in zip(sf, tf)], 1.05, "lower"))
-        if sf and fs:
-            target = 4.0 if c["size"] == "16M" else None
-            rows.append(ratio_row("step", f"{name}: torch functional script / script fused",
-                                  [a / b for a, b in zip(fs, sf)], target, "higher"))
-        # issue 11's targets, for every algorithm: funcopt's scripted step (fused
-        # where torch has the kernel) against torch.optim's fastest implementation
-        # of the same algorithm, and against torch's scripted functional twin
-        ours_name = "funcopt script fused" if "funcopt script fused" in t else "funcopt script foreach"
-        ours = t.get(ours_name)
-        med = c.get("median_s", {})
-        theirs = [k for k in ("torch.optim fused", "torch.optim foreach", "torch.optim for-loop") if k in t]
-        if ours and theirs:
-            best = min(theirs, key=lambda k: med.get(k, float("inf")))
-            target = 1.0 if c["size"] == "16M" else 0.7 if c["size"] == "tiny" else None
-            rows.append(ratio_row("step", f"{name}: {ours_name} / {best} (fastest torch.optim)",
-                                  [a / b for a, b in zip(ours, t[best])], target, "lower"))
-        if ours and fs and ours_name != "funcopt script fused":
-            rows.append(ratio_row("step", f"{name}: torch functional script / {ours_name}",
-                                  [a / b for a, b in zip(fs, ours)], 2.5 if c["size"] == "16M" else None,
-                                  "higher"))
+        ours, fs = t.get(OURS), t.get("torch functional script")
+        if ours and fs:
+            fused = c.get("impl") == "fused"
+            target = (4.0 if fused else 2.5) if c["size"] == "16M" else None
+            rows.append(ratio_row("step", f"{c['algo']} {c['size']}, {c.get('threads', 0)} thr: torch functional "
+                                          f"script / {OURS}", [a / b for a, b in zip(fs, ours)], target, "higher"))
     for r in results.get("gil", []):
-        if r["kind"] == "funcopt script fused":
-            rows.append(ratio_row("step", f"GIL: 2 threads / 1, scripted fused Adam, set_num_threads("
-                                          f"{r['intra_threads']})", r["speedups"],
+        if r["kind"] == "funcopt script":
+            what = f"GIL: scripted {r['algo']} ({r.get('impl', '')}), set_num_threads({r['intra_threads']})"
+            rows.append(ratio_row("step", f"{what}: 2 threads / 1", r["speedups"],
                                   1.8 if r["intra_threads"] == 1 else None, "higher"))
+            if r.get("vs_ceiling"):
+                rows.append(ratio_row("step", f"{what}: its 2-thread speedup / the scripted ceiling's",
+                                      r["vs_ceiling"], None, "higher"))
     return rows
 
 
@@ -193,23 +232,27 @@ def run(args: argparse.Namespace) -> int:
     import funcopt
 
     from . import _step_extra as extra
+    from . import _step_limits as limits
     from ._step_parts import measure_bandwidth, parse_size, run_case
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    default_threads = torch.get_num_threads()
+    thread_counts = [t or default_threads for t in args.threads]
+    torch.set_num_threads(thread_counts[0])
     cpu = "unknown CPU"
     with contextlib.suppress(OSError):
         with open("/proc/cpuinfo") as f:
             cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+    load0 = os.getloadavg()
     print(f"funcopt {funcopt.__version__}, torch {torch.__version__}, Python {platform.python_version()}, "
-          f"{cpu}, {os.cpu_count()} CPUs, torch intra-op threads {torch.get_num_threads()}, "
-          f"load avg {os.getloadavg()[0]:.2f}")
-    if os.getloadavg()[0] > 0.5 * (os.cpu_count() or 1):
-        print(f"WARNING: load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs: other processes are "
+          f"{cpu}, {os.cpu_count()} CPUs, torch intra-op threads {', '.join(map(str, thread_counts))}, "
+          f"load avg at start {load0[0]:.2f} / {load0[1]:.2f} / {load0[2]:.2f} (1 / 5 / 15 min)")
+    if load0[0] > 0.5 * (os.cpu_count() or 1):
+        print(f"WARNING: load average {load0[0]:.2f} on {os.cpu_count()} CPUs: other processes are "
               "running; figures (tiny tensors and the GIL figure above all) will be noisy; --threads 1 is "
               "steadier on a busy machine (see docs/benchmarks.md)")
     results: Dict[str, Any] = dict(torch=torch.__version__, cpu=cpu, cpus=os.cpu_count(),
-                                   intra_threads=torch.get_num_threads(), argv=sys.argv[1:], cases=[])
+                                   intra_threads=thread_counts, argv=sys.argv[1:], cases=[], loadavg_start=load0)
+    results["native"] = extra.first_use_cost()
     t_start = time.perf_counter()
     if args.profile:
         extra.profile(args)
@@ -218,30 +261,35 @@ def run(args: argparse.Namespace) -> int:
     if not args.threads_only:
         bws: List[Dict[str, float]] = []
 
-        def bandwidth(when: str) -> float:
+        def bandwidth(when: str, threads: int) -> float:
             bwd = measure_bandwidth(bw_numel, 5 if args.quick else 10)
             bwd["loadavg"] = os.getloadavg()[0]
+            bwd["threads"] = threads
             bws.append(bwd)
-            best = max(b["inplace_best"] for b in bws)
-            print(f"\nmemory bandwidth ({when}; {bw_numel // 2**20}M fp32, GB/s best/median): a.add_(b) "
-                  f"{bwd['inplace_best']:.1f}/{bwd['inplace_median']:.1f} (12 B/elem); torch.add(out=) "
+            best = max(b["inplace_best"] for b in bws if b["threads"] == threads)
+            print(f"\nmemory bandwidth ({when}; {threads} thread(s); {bw_numel // 2**20}M fp32, GB/s best/median): "
+                  f"a.add_(b) {bwd['inplace_best']:.1f}/{bwd['inplace_median']:.1f} (12 B/elem); torch.add(out=) "
                   f"{bwd['add_best']:.1f}/{bwd['add_median']:.1f} (12 B/elem); copy_ {bwd['copy_best']:.1f}/"
-                  f"{bwd['copy_median']:.1f} (8 B/elem); load avg {bwd['loadavg']:.2f}. %BW is against the best "
-                  f"a.add_(b) so far, {best:.1f} GB/s.")
+                  f"{bwd['copy_median']:.1f} (8 B/elem); load avg {bwd['loadavg']:.2f}. %BW and the limit are "
+                  f"against the best a.add_(b) so far at {threads} thread(s), {best:.1f} GB/s.")
             return best
 
-        cases = [(size, algo) for size in args.sizes for algo in args.algos]
+        cases = [(threads, size, algo) for threads in thread_counts for size in args.sizes for algo in args.algos]
         bar = tqdm(total=len(cases), desc="step cases", unit="case", file=sys.stderr, disable=args.no_progress)
         bw = 0.0
-        for i, (size, algo) in enumerate(cases):
-            if i == 0 or cases[i - 1][0] != size:
-                bw = bandwidth(f"before {size}")
-            bar.set_postfix_str(f"{algo} {size}")
+        for i, (threads, size, algo) in enumerate(cases):
+            torch.set_num_threads(threads)
+            if i == 0 or cases[i - 1][:2] != (threads, size):
+                bw = bandwidth(f"before {size}", threads)
+            bar.set_postfix_str(f"{algo} {size} {threads}T")
             results["cases"].append(run_case(algo, size, args, bw))
             bar.update()
         bar.close()
         results["bandwidth"] = bws
-        bandwidth("after the tables")
+        for threads in thread_counts:
+            torch.set_num_threads(threads)
+            bandwidth("after the tables", threads)
+        torch.set_num_threads(thread_counts[0])
         if "Adam" in args.algos and any(parse_size(s) < 0 for s in args.sizes) and not args.quick:
             results["overhead"] = extra.overhead_breakdown(args)
     if not args.no_threads:
@@ -253,7 +301,14 @@ def run(args: argparse.Namespace) -> int:
     args.summary_rows = rows
     print_summary(rows, title="funcopt bench step: summary (median ratio over repeats, min-max; a target is met "
                               "only when the whole spread meets it)")
-    print(f"\ntotal wall time {time.perf_counter() - t_start:.0f} s, load avg now {os.getloadavg()[0]:.2f}")
+    limits.print_table(results)
+    load1 = os.getloadavg()
+    results["loadavg_end"] = load1
+    results["wall_s"] = time.perf_counter() - t_start
+    print(f"\nfirst-use cost: {results['native']['line']}")
+    print(f"load avg at start {load0[0]:.2f} / {load0[1]:.2f} / {load0[2]:.2f}, at the end {load1[0]:.2f} / "
+          f"{load1[1]:.2f} / {load1[2]:.2f} (1 / 5 / 15 min, {os.cpu_count()} CPUs)")
+    print(f"total wall time {results['wall_s']:.0f} s")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1, default=str)
