@@ -152,6 +152,12 @@ REST = [
      "tests/distributed tests ZeRO-2/3 themselves"),
     (r"tests/test_compile\.py::test_every_algorithm_compiles_fullgraph\[(?!Adam\]|SGD\]|Muon\]|Adafactor\]|RMSprop\])",
      "torch.compile of each algorithm (seconds each); the default tier compiles Adam, SGD, RMSprop, Muon, Adafactor"),
+    (r"tests/test_extending\.py::test_toy_algorithm_in_one_file_joins_every_layer",
+     "a toy algorithm through every layer in spawned processes (~60 s); the default tier's registry contract, "
+     "script, ZeRO, RPC and FSDP2 tests run every registered algorithm through the same layers"),
+    (r"tests/embed/",
+     "compiles a libtorch C++ program (~20 s); the default tier loads saved train steps in a Python process "
+     "that never imports funcopt (test_script, test_native)"),
 ]
 _REST_RE = [(_re.compile(p), why) for p, why in REST]
 
