@@ -4,6 +4,7 @@
 // checks every tensor before it changes anything, then runs the rule registered
 // under `rule` (each rule lives beside its Python formula, funcopt/optimizers/<name>.cpp).
 #include "_native.h"
+#include <ATen/ATen.h>
 #include <torch/library.h>
 #include <map>
 namespace funcopt {

@@ -1,6 +1,7 @@
 // funcopt native one-pass optimizer steps: shared declarations.
 #pragma once
-#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <cmath>
 #include <string>

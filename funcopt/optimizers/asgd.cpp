@@ -12,6 +12,8 @@
 // add_alpha / addcmul: funcopt's, torch's CPU rounding; the results are
 // torch.optim.ASGD(foreach=True)'s to the bit.
 #include "_native.h"
+#include <ATen/ops/empty.h>
+#include <ATen/ops/sqrt.h>
 #include <cmath>
 
 namespace {
