@@ -104,6 +104,8 @@ def _key() -> str:
 
 
 def cache_dir() -> pathlib.Path:
+    """Where libraries are built: ``$FUNCOPT_CACHE_DIR/native``, else
+    ``$XDG_CACHE_HOME/funcopt/native`` or ``~/.cache/funcopt/native``."""
     root = os.environ.get("FUNCOPT_CACHE_DIR")
     if not root:
         xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
