@@ -150,6 +150,7 @@ def test_toy_algorithm_in_one_file_joins_every_layer(tmp_path):
     path = tmp_path / "toy_algorithm.py"
     path.write_text(TOY)
     env = dict(os.environ, FUNCOPT_EXTRA_ALGORITHMS=str(path), PYTHONPATH=str(ROOT))
+    env.pop("FUNCOPT_TIER", None)  # this test runs in the rest tier; the inner run is the default tier's suites
     # 1. the registry-driven suites, over the toy only
     out = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "Toy", "-W",
