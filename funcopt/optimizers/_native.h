@@ -24,6 +24,19 @@ struct RuleInfo {
 
 bool register_rule(const std::string& name, RuleInfo info);
 
+// A 0-d state tensor (step counters, NAdam's mu_product, ASGD's eta and mu: any
+// dtype), read once per tensor as Python's float(t.item()), and written back.
+inline double scalar_of(const at::Tensor& t) {
+  double v = 0;
+  AT_DISPATCH_ALL_TYPES_AND3(at::kHalf, at::kBFloat16, at::kBool, t.scalar_type(), "funcopt::scalar_of",
+                             [&] { v = static_cast<double>(*t.data_ptr<scalar_t>()); });
+  return v;
+}
+inline void set_scalar(const at::Tensor& t, double v) {
+  AT_DISPATCH_ALL_TYPES_AND3(at::kHalf, at::kBFloat16, at::kBool, t.scalar_type(), "funcopt::set_scalar",
+                             [&] { *t.data_ptr<scalar_t>() = static_cast<scalar_t>(v); });
+}
+
 // Elementwise loop over [0, n), split across intra-op threads in chunks that
 // stay in cache; f(begin, end) runs the rule's inner loop.
 template <typename F>

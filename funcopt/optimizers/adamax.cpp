@@ -4,15 +4,6 @@
 
 namespace {
 
-// a 0-d state tensor's value, as Python's float(t.item())
-inline double scalar_of(const at::Tensor& t) {
-  switch (t.scalar_type()) {
-    case at::kFloat: return double(*t.data_ptr<float>());
-    case at::kDouble: return *t.data_ptr<double>();
-    default: return t.item<double>();
-  }
-}
-
 template <typename T, bool maximize, bool decay>
 void adamax_tensor(T* __restrict p, const T* __restrict g, T* __restrict m, T* __restrict u, int64_t n,
                    T w1, T beta2, T eps, T wd, T step_size) {
@@ -49,7 +40,7 @@ void adamax(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>
   }
   for (size_t j = 0; j < n; ++j) {
     // the foreach formula's per-tensor scalar, in double from the (bumped) step
-    const double step_size = (lr / (1 - std::pow(beta1, scalar_of(state[j])))) * -1;
+    const double step_size = (lr / (1 - std::pow(beta1, funcopt::scalar_of(state[j])))) * -1;
     AT_DISPATCH_FLOATING_TYPES(params[j].scalar_type(), "funcopt::adamax", [&] {
       FUNCOPT_BOOL(maximize, M, [&] { FUNCOPT_BOOL(decay, D, [&] {
       adamax_tensor<scalar_t, M, D>(params[j].data_ptr<scalar_t>(), grads[j].data_ptr<scalar_t>(),

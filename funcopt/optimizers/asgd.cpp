@@ -18,20 +18,6 @@
 
 namespace {
 
-inline double read0d(const at::Tensor& t) {
-  double v = 0;
-  AT_DISPATCH_ALL_TYPES_AND3(at::kHalf, at::kBFloat16, at::kBool, t.scalar_type(), "funcopt::asgd_read",
-                             [&] { v = static_cast<double>(*t.data_ptr<scalar_t>()); });
-  return v;
-}
-
-// v has already been rounded to the dtype the foreach formula computed it in;
-// copy_ into the state's dtype
-inline void write0d(const at::Tensor& t, double v) {
-  AT_DISPATCH_ALL_TYPES_AND3(at::kHalf, at::kBFloat16, at::kBool, t.scalar_type(), "funcopt::asgd_write",
-                             [&] { *t.data_ptr<scalar_t>() = static_cast<scalar_t>(v); });
-}
-
 // torch's pow(tensor, scalar exponent) on CPU for float/double, except 0.5
 // (sqrt: see new_etas)
 template <typename S>
@@ -54,7 +40,7 @@ void new_etas(const std::vector<at::Tensor>& state, size_t n, double lr, double 
               at::ScalarType st) {
   std::vector<S> x(n);
   for (size_t j = 0; j < n; ++j) {
-    S v = static_cast<S>(read0d(state[j])) * static_cast<S>(lambd * lr);
+    S v = static_cast<S>(funcopt::scalar_of(state[j])) * static_cast<S>(lambd * lr);
     x[j] = v + S(1);
   }
   if (alpha == 0.5) {
@@ -69,7 +55,7 @@ void new_etas(const std::vector<at::Tensor>& state, size_t n, double lr, double 
   for (size_t j = 0; j < n; ++j) {
     S v = S(1) / x[j];
     v = v * static_cast<S>(lr);
-    write0d(state[n + j], static_cast<double>(v));
+    funcopt::set_scalar(state[n + j], static_cast<double>(v));
   }
 }
 
@@ -98,7 +84,7 @@ void asgd(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& 
   const double lr = h[0], lambd = h[1], alpha = h[2], t0 = h[3], wd = h[4];
   const bool maximize = h[5] != 0;
   for (size_t j = 0; j < n; ++j) {
-    const double eta_v = read0d(state[n + j]), mu_v = read0d(state[2 * n + j]);
+    const double eta_v = funcopt::scalar_of(state[n + j]), mu_v = funcopt::scalar_of(state[2 * n + j]);
     AT_DISPATCH_FLOATING_TYPES(params[j].scalar_type(), "funcopt::asgd", [&] {
       using T = scalar_t;
       FUNCOPT_BOOL(maximize, M, [&] { FUNCOPT_BOOL(wd != 0, D, [&] {
@@ -115,8 +101,8 @@ void asgd(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& 
   }
   for (size_t j = 0; j < n; ++j) {
     // 1 / max(1, t - t0) on the host in double, a float32 tensor (torch.full), copied
-    const double m = read0d(state[j]) - t0;
-    write0d(state[2 * n + j], static_cast<double>(static_cast<float>(1.0 / (m > 1.0 ? m : 1.0))));
+    const double m = funcopt::scalar_of(state[j]) - t0;
+    funcopt::set_scalar(state[2 * n + j], static_cast<double>(static_cast<float>(1.0 / (m > 1.0 ? m : 1.0))));
   }
 }
 

@@ -4,15 +4,6 @@
 
 namespace {
 
-// a 0-d state tensor's value, as Python's float(t.item())
-inline double scalar_of(const at::Tensor& t) {
-  switch (t.scalar_type()) {
-    case at::kFloat: return double(*t.data_ptr<float>());
-    case at::kDouble: return *t.data_ptr<double>();
-    default: return t.item<double>();
-  }
-}
-
 // mu_product *= mu in the tensor's own dtype (float32 as torch.optim keeps it;
 // the parameter's dtype after a loaded state dict), as _foreach_mul_ does;
 // returns the new value
@@ -66,7 +57,7 @@ void nadam(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>&
   }
   for (size_t j = 0; j < n; ++j) {
     // the foreach formula's per-tensor scalars, in double from the (bumped) step
-    const double t = scalar_of(state[j]);
+    const double t = funcopt::scalar_of(state[j]);
     const double bc2_sqrt = std::pow(1 - std::pow(beta2, t), 0.5);
     const double mu = beta1 * (1.0 - 0.5 * std::pow(0.96, t * psi));
     const double mu_next = beta1 * (1.0 - 0.5 * std::pow(0.96, (t + 1) * psi));

@@ -16,14 +16,6 @@
 
 namespace {
 
-// 0-d state of any dtype (the op accepts it), read once per tensor
-inline double read0d(const at::Tensor& t) {
-  double v = 0;
-  AT_DISPATCH_ALL_TYPES_AND3(at::kHalf, at::kBFloat16, at::kBool, t.scalar_type(), "funcopt::radam_step",
-                             [&] { v = static_cast<double>(*t.data_ptr<scalar_t>()); });
-  return v;
-}
-
 template <typename T, bool maximize, bool coupled, bool decoupled>
 void radam_tensor(T* __restrict p, const T* __restrict g, T* __restrict m, T* __restrict v, int64_t n,
                   T wd, T decay, T w1, T beta2, T one_m_beta2, T eps, T rect, T unrect) {
@@ -56,7 +48,7 @@ void radam(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>&
   const double rho_inf = 2 / (1 - beta2) - 1;
   for (size_t j = 0; j < n; ++j) {
     // radam.py: rho_t, r, bias_correction1, then the two step sizes (host doubles)
-    const double t = read0d(state[j]);
+    const double t = funcopt::scalar_of(state[j]);
     const double rho = rho_inf - 2 * t * std::pow(beta2, t) / (1 - std::pow(beta2, t));
     double r = 0.0;
     if (rho > 5) r = std::pow((rho - 4) * (rho - 2) * rho_inf / ((rho_inf - 4) * (rho_inf - 2) * rho), 0.5);
