@@ -60,6 +60,6 @@ def test_accelerate_matches_torch_optim_and_resumes_exactly(name, flavour, tmp_p
     want = _ORACLE[name]
     assert_trained(snapshot(tiny_model().parameters()), want, f"{name} torch.optim")
     got = run(name, flavour, save=str(tmp_path / "state"))
-    assert_close(got, want, f"{name} {flavour} vs torch.optim")
+    assert_close(got, want, f"{name} {flavour} vs torch.optim", algo=name)
     resumed = run(name, flavour, load=str(tmp_path / "state"))
     assert_equal(resumed, got, f"{name} {flavour}: load_state after {SAVE_AT} micro-batches vs uninterrupted")

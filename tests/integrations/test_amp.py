@@ -52,4 +52,5 @@ def test_grad_scaler_bf16_autocast_matches_torch_optim(name, flavour):
     assert_equal(got_hist[OVERFLOW + 1], got_hist[OVERFLOW], f"{name} {flavour}: the overflow step changed params")
     assert_trained(want_hist[0], want_hist[-1], f"{name} torch.optim")
     for step in range(1, STEPS + 1):
-        assert_close(got_hist[step], want_hist[step], f"{name} {flavour} after step {step} vs torch.optim")
+        assert_close(got_hist[step], want_hist[step], f"{name} {flavour} after step {step} vs torch.optim",
+                     algo=name)

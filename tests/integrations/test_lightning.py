@@ -59,7 +59,7 @@ def test_fit_matches_torch_optim(name, flavour, scenario, tmp_path):
     before, want, want_lrs = _ORACLE[key]
     _, got, lrs = _run(name, flavour, scenario, tmp_path)
     assert_trained(before, want, f"{name} {scenario} torch.optim")
-    assert_close(got, want, f"{name} {flavour} {scenario} vs torch.optim")
+    assert_close(got, want, f"{name} {flavour} {scenario} vs torch.optim", algo=name)
     assert lrs == want_lrs, "the scheduler drove another lr sequence"
 
 
@@ -77,7 +77,8 @@ def test_checkpoint_resume_continues_exactly(name, flavour, tmp_path):
                  f"{name} {flavour}: resumed from epoch 0 vs uninterrupted")
     oracle = L.Module(name, "torch")
     L.fit(oracle, tmp_path / "oracle", max_epochs=2)
-    assert_close(snapshot(resumed.parameters()), snapshot(oracle.parameters()), f"{name} {flavour} vs torch.optim")
+    assert_close(snapshot(resumed.parameters()), snapshot(oracle.parameters()), f"{name} {flavour} vs torch.optim",
+                 algo=name)
 
 
 def test_ddp_two_cpu_processes(tmp_path):
@@ -92,5 +93,5 @@ def test_ddp_two_cpu_processes(tmp_path):
     results = torch.load(out)
     for name, flavour in [c.values for c in CASES if c.values[1] == "eager"]:
         want = results[(name, "torch")]
-        assert_close(results[(name, flavour)], want, f"ddp {name} {flavour} vs torch.optim")
+        assert_close(results[(name, flavour)], want, f"ddp {name} {flavour} vs torch.optim", algo=name)
         assert_trained(results[(name, "init")], want, f"ddp {name} torch.optim")

@@ -64,8 +64,8 @@ def test_step_closure_matches_torch_optim(name, flavour, how):
     want, want_losses = _run_closure(name, "torch", how)
     got, losses = _run_closure(name, flavour, how)
     assert_trained(snapshot(tiny_model().parameters()), want, f"{name} torch.optim")
-    assert_close(got, want, f"{name} {flavour} step({how} closure) vs torch.optim")
-    assert_close(losses, want_losses, f"{name} {flavour}: losses returned by step")
+    assert_close(got, want, f"{name} {flavour} step({how} closure) vs torch.optim", algo=name)
+    assert_close(losses, want_losses, f"{name} {flavour}: losses returned by step", algo=name)
 
 
 @pytest.mark.parametrize("name,flavour", CASES)
@@ -143,10 +143,12 @@ def test_dcp_state_dict_save_load_resumes_exactly(name, flavour, tmp_path):
     oracle = tiny_model()
     topt = make_optimizer(name, "torch", oracle.parameters())
     _train(oracle, topt, range(STEPS))
-    assert_close(snapshot(model.parameters()), snapshot(oracle.parameters()), f"{name} {flavour} vs torch.optim")
+    assert_close(snapshot(model.parameters()), snapshot(oracle.parameters()), f"{name} {flavour} vs torch.optim",
+                 algo=name)
     got, want = get_optimizer_state_dict(model, opt), get_optimizer_state_dict(oracle, topt)
     assert sorted(got["state"]) == sorted(want["state"])
     for fqn, entry in want["state"].items():
         assert sorted(got["state"][fqn]) == sorted(entry), f"{name}: state[{fqn}] keys"
         assert_close([torch.as_tensor(v) for v in got["state"][fqn].values()],
-                     [torch.as_tensor(entry[k]) for k in got["state"][fqn]], f"{name} {flavour} state[{fqn}]")
+                     [torch.as_tensor(entry[k]) for k in got["state"][fqn]], f"{name} {flavour} state[{fqn}]",
+                     algo=name)

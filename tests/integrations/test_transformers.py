@@ -75,7 +75,7 @@ def test_trainer_matches_torch_optim_and_resumes_exactly(name, flavour, tmp_path
     assert finite(want), f"{name}: torch.optim diverges with the rich and the base configuration"
     assert_trained(snapshot(tiny_gpt2().parameters()), want, f"{name} torch.optim")
     got = train(name, flavour, str(tmp_path / "straight"), config=config)
-    assert_close(got, want, f"{name} {flavour} ({config}) vs torch.optim")
+    assert_close(got, want, f"{name} {flavour} ({config}) vs torch.optim", algo=name)
     checkpoint = str(tmp_path / "straight" / f"checkpoint-{SAVE_AT}")
     resumed = train(name, flavour, str(tmp_path / "resumed"), resume=checkpoint, config=config)
     assert_equal(resumed, got, f"{name} {flavour}: resumed from checkpoint-{SAVE_AT} vs uninterrupted")
