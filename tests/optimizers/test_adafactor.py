@@ -1,0 +1,85 @@
+"""Adafactor's column norm (``funcopt.optimizers.adafactor._col_norm``): the
+same numbers as ``torch.norm(g, dim=-2, keepdim=True)`` -- which is what
+``torch.optim.Adafactor`` calls -- bitwise, on the shapes of real models and of
+the benchmark, with one and two intra-op threads, in every layout (the strided
+ones take torch's own call); then whole steps on such shapes against
+``torch.optim.Adafactor(foreach=True)`` (whose formula funcopt runs; the for-loop
+differs from it in the last bit: ``add_(u, alpha=)`` is a fused multiply-add), bitwise.  ``tests/test_parity.py``
+covers every hyperparameter on small shapes."""
+import pytest
+import torch
+
+import funcopt
+from funcopt.optimizers.adafactor import _col_norm
+
+# the benchmark's matrices (16M: d=512; 64M: d=1024, the largest ones here are cut to
+# keep the test short), odd sizes, a dimension of 1 or 2, 3-D and 4-D
+SHAPES = [(7, 3), (3, 7), (2, 2), (2, 9), (9, 2), (1, 5), (5, 1), (2048, 512), (512, 2048), (1981, 512),
+          (1024, 1024), (1, 4096), (4, 33000), (33000, 3), (300, 1), (2, 5, 7), (3, 1, 6), (3, 4, 1),
+          (2, 3, 4, 5), (17, 64, 48)]
+
+
+def _ref(g):
+    return torch.norm(g, dim=-2, keepdim=True)
+
+
+@pytest.fixture(params=[1, 2], ids=["1thr", "2thr"])
+def threads(request):
+    old = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(old)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=[str(s) for s in SHAPES])
+def test_col_norm_bitwise(shape, threads):
+    gen = torch.Generator().manual_seed(sum(shape))
+    for scale in (1.0, 1e-3, 1e4):
+        g = torch.randn(shape, generator=gen) * scale
+        got, want = _col_norm(g), _ref(g)
+        assert got.shape == want.shape and got.dtype == want.dtype
+        assert torch.equal(got, want), (shape, scale, (got - want).abs().max())
+
+
+def test_col_norm_other_layouts_and_dtypes():
+    gen = torch.Generator().manual_seed(0)
+    cases = [torch.randn(64, 48, generator=gen).t(),  # transposed: torch reduces it as a last dim
+             torch.randn(6, 40, 50, generator=gen)[:, ::2],  # strided rows
+             torch.randn(2, 3, 8, 9, generator=gen).to(memory_format=torch.channels_last),
+             torch.randn(40, 30, generator=gen, dtype=torch.float64),
+             torch.randn(40, 30, generator=gen).to(torch.bfloat16),
+             torch.zeros(5, 6), torch.full((4, 3), float("inf")), torch.tensor([[float("nan"), 1.0], [2.0, 3.0]])]
+    for g in cases:
+        assert torch.equal(_col_norm(g), _ref(g)) or (_col_norm(g).isnan() == _ref(g).isnan()).all(), g.shape
+
+
+def test_col_norm_scripts():
+    f = torch.jit.script(_col_norm)
+    g = torch.randn(70, 30)
+    assert torch.equal(f(g), _ref(g))
+
+
+@pytest.mark.parametrize("scripted", [False, True], ids=["eager", "scripted"])
+def test_steps_match_torch_on_large_shapes(scripted):
+    gen = torch.Generator().manual_seed(3)
+    shapes = [(300, 200), (200, 300), (300,), (6, 40, 50), (2, 1000), (1000, 2), (700, 1)]
+    base = [torch.randn(s, generator=gen) for s in shapes]
+    fparams = [p.clone() for p in base]
+    tparams = [p.clone().requires_grad_() for p in base]
+    kw = dict(lr=0.05, beta2_decay=-0.5, weight_decay=0.1)
+    fo = funcopt.Adafactor(fparams, **kw)
+    if scripted:
+        fo = funcopt.script(fo)
+    to = torch.optim.Adafactor(tparams, foreach=True, **kw)
+    for _ in range(4):
+        grads = [torch.randn(s, generator=gen) for s in shapes]
+        fo.step(grads)
+        for p, g in zip(tparams, grads):
+            p.grad = g
+        to.step()
+    for a, b in zip(fparams, tparams):
+        assert torch.equal(a, b)
+    for a, b in zip(fparams, tparams):
+        for k in ("row_var", "col_var", "variance"):
+            if k in to.state[b]:
+                assert torch.equal(fo.state[a][k], to.state[b][k]), k
