@@ -3,6 +3,7 @@
 #include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
+#include <algorithm>
 #include <cmath>
 #include <string>
 #include <vector>
@@ -37,11 +38,55 @@ inline void set_scalar(const at::Tensor& t, double v) {
                              [&] { *t.data_ptr<scalar_t>() = static_cast<scalar_t>(v); });
 }
 
-// Elementwise loop over [0, n), split across intra-op threads in chunks that
-// stay in cache; f(begin, end) runs the rule's inner loop.
+// Every element of every tensor of the list in one at::parallel_for: one
+// fork/join per step, not one per tensor.  The tensors' elements are one flat
+// range cut into one contiguous part per intra-op thread (equal element counts;
+// a cut inside a tensor falls on a multiple of 64 elements: whole cache lines
+// and vectors for float32 and float64), and each part runs f(j, begin, end) on
+// the pieces of the tensors it covers, in order: many small tensors are batched,
+// a large one is split.  Below `grain` elements in all (or one thread, or
+// inside a parallel region) the caller's thread runs f(j, 0, numel) for every
+// tensor.  The split changes no number (the rules are elementwise).
+// sizes[j]: tensor j's element count; f never sees an empty range.
 template <typename F>
-inline void chunks(int64_t n, const F& f) {
-  at::parallel_for(0, n, 1 << 15, f);
+inline void for_each_chunk(const std::vector<int64_t>& sizes, const F& f, int64_t grain = int64_t(1) << 15) {
+  const int64_t n = static_cast<int64_t>(sizes.size());
+  std::vector<int64_t> start(n + 1, 0);
+  for (int64_t j = 0; j < n; ++j) start[j + 1] = start[j] + sizes[j];
+  const int64_t total = start[n];
+  int64_t parts = at::in_parallel_region() ? 1 : at::get_num_threads();
+  parts = std::min(parts, (total + grain - 1) / grain);
+  if (parts <= 1) {
+    for (int64_t j = 0; j < n; ++j)
+      if (sizes[j] > 0) f(j, int64_t(0), sizes[j]);
+    return;
+  }
+  // the flat position where part t starts, moved down to a multiple of 64
+  // elements of the tensor it falls in (both neighbours compute the same cut)
+  auto cut = [&](int64_t t) -> int64_t {
+    if (t >= parts) return total;
+    const int64_t x = total / parts * t + (total % parts) * t / parts;
+    const int64_t j = std::upper_bound(start.begin(), start.end(), x) - start.begin() - 1;
+    return start[j] + (x - start[j]) / 64 * 64;
+  };
+  at::parallel_for(0, parts, 1, [&](int64_t tb, int64_t te) {
+    for (int64_t t = tb; t < te; ++t) {
+      int64_t lo = cut(t);
+      const int64_t hi = cut(t + 1);
+      int64_t j = std::upper_bound(start.begin(), start.end(), lo) - start.begin() - 1;
+      while (lo < hi) {
+        const int64_t e = std::min(hi, start[j + 1]);
+        if (e > lo) f(j, lo - start[j], e - start[j]);
+        lo = e;
+        ++j;
+      }
+    }
+  });
+}
+inline std::vector<int64_t> numels(const std::vector<at::Tensor>& ts) {
+  std::vector<int64_t> out(ts.size());
+  for (size_t j = 0; j < ts.size(); ++j) out[j] = ts[j].numel();
+  return out;
 }
 
 // torch's CPU kernels (its AVX2/AVX512 builds: at::vec fmadd is one rounding),

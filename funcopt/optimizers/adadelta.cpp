@@ -5,25 +5,23 @@
 namespace {
 
 template <typename T, bool maximize, bool decay>
-void adadelta_tensor(T* __restrict p, const T* __restrict g, T* __restrict v, T* __restrict u, int64_t n,
-                     T neg_lr, T rho, T one_m_rho, T eps, T wd) {
-  funcopt::chunks(n, [&](int64_t lo, int64_t hi) {
-    for (int64_t i = lo; i < hi; ++i) {
-      T gi = maximize ? -g[i] : g[i];
-      if (decay) gi = funcopt::add_alpha(gi, p[i], wd);
-      T vi = v[i] * rho;
-      vi = funcopt::addcmul(vi, gi, gi, one_m_rho);
-      v[i] = vi;
-      const T sd = std::sqrt(vi + eps);
-      T di = std::sqrt(u[i] + eps);
-      di = di / sd;
-      di = di * gi;
-      T ui = u[i] * rho;
-      ui = funcopt::addcmul(ui, di, di, one_m_rho);
-      u[i] = ui;
-      p[i] = funcopt::add_alpha(p[i], di, neg_lr);
-    }
-  });
+void adadelta_loop(T* __restrict p, const T* __restrict g, T* __restrict v, T* __restrict u, int64_t n,
+                   T neg_lr, T rho, T one_m_rho, T eps, T wd) {
+  for (int64_t i = 0; i < n; ++i) {
+    T gi = maximize ? -g[i] : g[i];
+    if (decay) gi = funcopt::add_alpha(gi, p[i], wd);
+    T vi = v[i] * rho;
+    vi = funcopt::addcmul(vi, gi, gi, one_m_rho);
+    v[i] = vi;
+    const T sd = std::sqrt(vi + eps);
+    T di = std::sqrt(u[i] + eps);
+    di = di / sd;
+    di = di * gi;
+    T ui = u[i] * rho;
+    ui = funcopt::addcmul(ui, di, di, one_m_rho);
+    u[i] = ui;
+    p[i] = funcopt::add_alpha(p[i], di, neg_lr);
+  }
 }
 
 void adadelta(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
@@ -39,16 +37,16 @@ void adadelta(const std::vector<at::Tensor>& params, const std::vector<at::Tenso
       TORCH_CHECK(state[k * n + j].numel() == p.numel() && state[k * n + j].scalar_type() == p.scalar_type(),
                   "funcopt::step_(adadelta): state ", k, " of parameter ", j, " must be shaped like it");
   }
-  for (size_t j = 0; j < n; ++j) {
-    AT_DISPATCH_FLOATING_TYPES(params[j].scalar_type(), "funcopt::adadelta", [&] {
-      FUNCOPT_BOOL(maximize, M, [&] { FUNCOPT_BOOL(decay, D, [&] {
-      adadelta_tensor<scalar_t, M, D>(params[j].data_ptr<scalar_t>(), grads[j].data_ptr<scalar_t>(),
-                                      state[1 * n + j].data_ptr<scalar_t>(), state[2 * n + j].data_ptr<scalar_t>(),
-                                      params[j].numel(), scalar_t(-lr), scalar_t(rho), scalar_t(1 - rho),
-                                      scalar_t(eps), scalar_t(wd));
-      }); });
-    });
-  }
+  AT_DISPATCH_FLOATING_TYPES(params[0].scalar_type(), "funcopt::adadelta", [&] {
+    using T = scalar_t;
+    FUNCOPT_BOOL(maximize, M, [&] { FUNCOPT_BOOL(decay, D, [&] {
+      funcopt::for_each_chunk(funcopt::numels(params), [&](int64_t j, int64_t lo, int64_t hi) {
+        adadelta_loop<T, M, D>(params[j].data_ptr<T>() + lo, grads[j].data_ptr<T>() + lo,
+                               state[1 * n + j].data_ptr<T>() + lo, state[2 * n + j].data_ptr<T>() + lo, hi - lo,
+                               T(-lr), T(rho), T(1 - rho), T(eps), T(wd));
+      });
+    }); });
+  });
 }
 
 }  // namespace

@@ -5,24 +5,22 @@
 namespace {
 
 template <typename T, bool maximize, bool decay>
-void adamax_tensor(T* __restrict p, const T* __restrict g, T* __restrict m, T* __restrict u, int64_t n,
-                   T w1, T beta2, T eps, T wd, T step_size) {
-  funcopt::chunks(n, [&](int64_t lo, int64_t hi) {
-    for (int64_t i = lo; i < hi; ++i) {
-      T gi = maximize ? -g[i] : g[i];
-      if (decay) gi = funcopt::add_alpha(gi, p[i], wd);
-      const T mi = funcopt::lerp(m[i], gi, w1);
-      m[i] = mi;
-      const T ui = u[i] * beta2;
-      const T ai = std::abs(gi) + eps;
-      // torch.maximum: NaN where either side is NaN
-      T ni = ui > ai ? ui : ai;
-      ni = ai != ai ? ai : ni;
-      ni = ui != ui ? ui : ni;
-      u[i] = ni;
-      p[i] = funcopt::addcdiv(p[i], mi, ni, step_size);
-    }
-  });
+void adamax_loop(T* __restrict p, const T* __restrict g, T* __restrict m, T* __restrict u, int64_t n,
+                 T w1, T beta2, T eps, T wd, T step_size) {
+  for (int64_t i = 0; i < n; ++i) {
+    T gi = maximize ? -g[i] : g[i];
+    if (decay) gi = funcopt::add_alpha(gi, p[i], wd);
+    const T mi = funcopt::lerp(m[i], gi, w1);
+    m[i] = mi;
+    const T ui = u[i] * beta2;
+    const T ai = std::abs(gi) + eps;
+    // torch.maximum: NaN where either side is NaN
+    T ni = ui > ai ? ui : ai;
+    ni = ai != ai ? ai : ni;
+    ni = ui != ui ? ui : ni;
+    u[i] = ni;
+    p[i] = funcopt::addcdiv(p[i], mi, ni, step_size);
+  }
 }
 
 void adamax(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
@@ -38,18 +36,19 @@ void adamax(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>
       TORCH_CHECK(state[k * n + j].numel() == p.numel() && state[k * n + j].scalar_type() == p.scalar_type(),
                   "funcopt::step_(adamax): state ", k, " of parameter ", j, " must be shaped like it");
   }
-  for (size_t j = 0; j < n; ++j) {
-    // the foreach formula's per-tensor scalar, in double from the (bumped) step
-    const double step_size = (lr / (1 - std::pow(beta1, funcopt::scalar_of(state[j])))) * -1;
-    AT_DISPATCH_FLOATING_TYPES(params[j].scalar_type(), "funcopt::adamax", [&] {
-      FUNCOPT_BOOL(maximize, M, [&] { FUNCOPT_BOOL(decay, D, [&] {
-      adamax_tensor<scalar_t, M, D>(params[j].data_ptr<scalar_t>(), grads[j].data_ptr<scalar_t>(),
-                                    state[1 * n + j].data_ptr<scalar_t>(), state[2 * n + j].data_ptr<scalar_t>(),
-                                    params[j].numel(), scalar_t(1 - beta1), scalar_t(beta2), scalar_t(eps),
-                                    scalar_t(wd), scalar_t(step_size));
-      }); });
-    });
-  }
+  std::vector<double> step_size(n);
+  for (size_t j = 0; j < n; ++j)  // the foreach formula's per-tensor scalar, in double from the (bumped) step
+    step_size[j] = (lr / (1 - std::pow(beta1, funcopt::scalar_of(state[j])))) * -1;
+  AT_DISPATCH_FLOATING_TYPES(params[0].scalar_type(), "funcopt::adamax", [&] {
+    using T = scalar_t;
+    FUNCOPT_BOOL(maximize, M, [&] { FUNCOPT_BOOL(decay, D, [&] {
+      funcopt::for_each_chunk(funcopt::numels(params), [&](int64_t j, int64_t lo, int64_t hi) {
+        adamax_loop<T, M, D>(params[j].data_ptr<T>() + lo, grads[j].data_ptr<T>() + lo,
+                           state[1 * n + j].data_ptr<T>() + lo, state[2 * n + j].data_ptr<T>() + lo, hi - lo,
+                           T(1 - beta1), T(beta2), T(eps), T(wd), T(step_size[j]));
+      });
+    }); });
+  });
 }
 
 }  // namespace

@@ -60,20 +60,18 @@ void new_etas(const std::vector<at::Tensor>& state, size_t n, double lr, double 
 }
 
 template <typename T, bool maximize, bool decay>
-void asgd_tensor(T* __restrict p, const T* __restrict g, T* __restrict ax, int64_t n, T wd, T lambd, T eta,
-                 T mu) {
-  funcopt::chunks(n, [&](int64_t lo, int64_t hi) {
-    for (int64_t i = lo; i < hi; ++i) {
-      const T gi = maximize ? -g[i] : g[i];
-      const T pi = p[i];
-      T inter = decay ? funcopt::add_alpha(gi, pi, wd) : gi;
-      inter = funcopt::add_alpha(inter, pi, lambd);
-      const T pn = funcopt::addcmul(pi, inter, eta, T(-1));
-      p[i] = pn;
-      const T ai = ax[i];
-      ax[i] = funcopt::addcmul(ai, pn - ai, mu, T(1));
-    }
-  });
+void asgd_loop(T* __restrict p, const T* __restrict g, T* __restrict ax, int64_t n, T wd, T lambd, T eta,
+               T mu) {
+  for (int64_t i = 0; i < n; ++i) {
+    const T gi = maximize ? -g[i] : g[i];
+    const T pi = p[i];
+    T inter = decay ? funcopt::add_alpha(gi, pi, wd) : gi;
+    inter = funcopt::add_alpha(inter, pi, lambd);
+    const T pn = funcopt::addcmul(pi, inter, eta, T(-1));
+    p[i] = pn;
+    const T ai = ax[i];
+    ax[i] = funcopt::addcmul(ai, pn - ai, mu, T(1));
+  }
 }
 
 void asgd(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
@@ -83,16 +81,20 @@ void asgd(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& 
   // state: step (0-d, bumped), eta (0-d), mu (0-d), ax
   const double lr = h[0], lambd = h[1], alpha = h[2], t0 = h[3], wd = h[4];
   const bool maximize = h[5] != 0;
+  std::vector<double> etas(n), mus(n);
   for (size_t j = 0; j < n; ++j) {
-    const double eta_v = funcopt::scalar_of(state[n + j]), mu_v = funcopt::scalar_of(state[2 * n + j]);
-    AT_DISPATCH_FLOATING_TYPES(params[j].scalar_type(), "funcopt::asgd", [&] {
-      using T = scalar_t;
-      FUNCOPT_BOOL(maximize, M, [&] { FUNCOPT_BOOL(wd != 0, D, [&] {
-        asgd_tensor<T, M, D>(params[j].data_ptr<T>(), grads[j].data_ptr<T>(), state[3 * n + j].data_ptr<T>(),
-                             params[j].numel(), T(wd), T(lambd), T(eta_v), T(mu_v));
-      }); });
-    });
+    etas[j] = funcopt::scalar_of(state[n + j]);
+    mus[j] = funcopt::scalar_of(state[2 * n + j]);
   }
+  AT_DISPATCH_FLOATING_TYPES(params[0].scalar_type(), "funcopt::asgd", [&] {
+    using T = scalar_t;
+    FUNCOPT_BOOL(maximize, M, [&] { FUNCOPT_BOOL(wd != 0, D, [&] {
+      funcopt::for_each_chunk(funcopt::numels(params), [&](int64_t j, int64_t lo, int64_t hi) {
+        asgd_loop<T, M, D>(params[j].data_ptr<T>() + lo, grads[j].data_ptr<T>() + lo,
+                           state[3 * n + j].data_ptr<T>() + lo, hi - lo, T(wd), T(lambd), T(etas[j]), T(mus[j]));
+      });
+    }); });
+  });
   // then the new eta_t and mu_t of every parameter (each element loop read the old ones)
   if (state[0].scalar_type() == at::kDouble) {
     new_etas<double>(state, n, lr, lambd, alpha, at::kDouble);

@@ -8,20 +8,18 @@
 namespace {
 
 template <typename T, bool maximize, bool decay>
-void lion_tensor(T* __restrict p, const T* __restrict g, T* __restrict m, int64_t n, T neg_lr, T shrink,
-                 T beta1, T one_m_beta1, T beta2, T one_m_beta2) {
-  funcopt::chunks(n, [&](int64_t lo, int64_t hi) {
-    for (int64_t i = lo; i < hi; ++i) {
-      const T gi = maximize ? -g[i] : g[i];
-      const T mi = m[i];
-      T u = funcopt::add_alpha(mi * beta1, gi, one_m_beta1);
-      u = T(T(0) < u) - T(u < T(0));  // torch's sign
-      T pi = p[i];
-      if (decay) pi = pi * shrink;
-      p[i] = funcopt::add_alpha(pi, u, neg_lr);
-      m[i] = funcopt::add_alpha(mi * beta2, gi, one_m_beta2);
-    }
-  });
+void lion_loop(T* __restrict p, const T* __restrict g, T* __restrict m, int64_t n, T neg_lr, T shrink,
+               T beta1, T one_m_beta1, T beta2, T one_m_beta2) {
+  for (int64_t i = 0; i < n; ++i) {
+    const T gi = maximize ? -g[i] : g[i];
+    const T mi = m[i];
+    T u = funcopt::add_alpha(mi * beta1, gi, one_m_beta1);
+    u = T(T(0) < u) - T(u < T(0));  // torch's sign
+    T pi = p[i];
+    if (decay) pi = pi * shrink;
+    p[i] = funcopt::add_alpha(pi, u, neg_lr);
+    m[i] = funcopt::add_alpha(mi * beta2, gi, one_m_beta2);
+  }
 }
 
 void lion(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
@@ -31,16 +29,15 @@ void lion(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& 
   // state: exp_avg
   const double lr = h[0], beta1 = h[1], beta2 = h[2], wd = h[3];
   const bool maximize = h[4] != 0;
-  for (size_t j = 0; j < n; ++j) {
-    AT_DISPATCH_FLOATING_TYPES(params[j].scalar_type(), "funcopt::lion", [&] {
-      using T = scalar_t;
-      FUNCOPT_BOOL(maximize, M, [&] { FUNCOPT_BOOL(wd != 0, D, [&] {
-        lion_tensor<T, M, D>(params[j].data_ptr<T>(), grads[j].data_ptr<T>(), state[j].data_ptr<T>(),
-                             params[j].numel(), T(-lr), T(1 - lr * wd), T(beta1), T(1 - beta1), T(beta2),
-                             T(1 - beta2));
-      }); });
-    });
-  }
+  AT_DISPATCH_FLOATING_TYPES(params[0].scalar_type(), "funcopt::lion", [&] {
+    using T = scalar_t;
+    FUNCOPT_BOOL(maximize, M, [&] { FUNCOPT_BOOL(wd != 0, D, [&] {
+      funcopt::for_each_chunk(funcopt::numels(params), [&](int64_t j, int64_t lo, int64_t hi) {
+        lion_loop<T, M, D>(params[j].data_ptr<T>() + lo, grads[j].data_ptr<T>() + lo, state[j].data_ptr<T>() + lo,
+                           hi - lo, T(-lr), T(1 - lr * wd), T(beta1), T(1 - beta1), T(beta2), T(1 - beta2));
+      });
+    }); });
+  });
 }
 
 }  // namespace

@@ -16,27 +16,25 @@ inline double scale_product(const at::Tensor& t, double mu) {
 }
 
 template <typename T, bool maximize, bool coupled, bool decoupled>
-void nadam_tensor(T* __restrict p, const T* __restrict g, T* __restrict m, T* __restrict v, int64_t n,
-                  T w1, T beta2, T one_m_beta2, T eps, T wd, T shrink, T bc2_sqrt, T size_g, T size_m) {
-  funcopt::chunks(n, [&](int64_t lo, int64_t hi) {
-    for (int64_t i = lo; i < hi; ++i) {
-      T gi = maximize ? -g[i] : g[i];
-      T pi = p[i];
-      if (coupled) gi = funcopt::add_alpha(gi, pi, wd);
-      if (decoupled) pi = pi * shrink;
-      const T mi = funcopt::lerp(m[i], gi, w1);
-      m[i] = mi;
-      T vi = v[i] * beta2;
-      vi = funcopt::addcmul(vi, gi, gi, one_m_beta2);
-      v[i] = vi;
-      T d = std::sqrt(vi);
-      d = d / bc2_sqrt;
-      d = d + eps;
-      pi = funcopt::addcdiv(pi, gi, d, size_g);
-      pi = funcopt::addcdiv(pi, mi, d, size_m);
-      p[i] = pi;
-    }
-  });
+void nadam_loop(T* __restrict p, const T* __restrict g, T* __restrict m, T* __restrict v, int64_t n,
+                T w1, T beta2, T one_m_beta2, T eps, T wd, T shrink, T bc2_sqrt, T size_g, T size_m) {
+  for (int64_t i = 0; i < n; ++i) {
+    T gi = maximize ? -g[i] : g[i];
+    T pi = p[i];
+    if (coupled) gi = funcopt::add_alpha(gi, pi, wd);
+    if (decoupled) pi = pi * shrink;
+    const T mi = funcopt::lerp(m[i], gi, w1);
+    m[i] = mi;
+    T vi = v[i] * beta2;
+    vi = funcopt::addcmul(vi, gi, gi, one_m_beta2);
+    v[i] = vi;
+    T d = std::sqrt(vi);
+    d = d / bc2_sqrt;
+    d = d + eps;
+    pi = funcopt::addcdiv(pi, gi, d, size_g);
+    pi = funcopt::addcdiv(pi, mi, d, size_m);
+    p[i] = pi;
+  }
 }
 
 void nadam(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
@@ -53,8 +51,9 @@ void nadam(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>&
                 " must hold one value");
     for (size_t k = 2; k < 4; ++k)
       TORCH_CHECK(state[k * n + j].numel() == p.numel() && state[k * n + j].scalar_type() == p.scalar_type(),
-                  "funcopt::step_(nadam): state ", k, " of parameter ", j, " must be shaped like it");
+                "funcopt::step_(nadam): state ", k, " of parameter ", j, " must be shaped like it");
   }
+  std::vector<double> bc2s(n), sizes_g(n), sizes_m(n);
   for (size_t j = 0; j < n; ++j) {
     // the foreach formula's per-tensor scalars, in double from the (bumped) step
     const double t = funcopt::scalar_of(state[j]);
@@ -64,17 +63,22 @@ void nadam(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>&
     const double prod = scale_product(state[n + j], mu);
     const double size_g = (lr * (1.0 - mu) / (1.0 - prod)) * -1;
     const double size_m = (lr * mu_next / (1.0 - prod * mu_next)) * -1;
-    AT_DISPATCH_FLOATING_TYPES(params[j].scalar_type(), "funcopt::nadam", [&] {
-      FUNCOPT_BOOL(maximize, M, [&] { FUNCOPT_BOOL(wd != 0 && !decoupled, C, [&] {
-      FUNCOPT_BOOL(wd != 0 && decoupled, W, [&] {
-      nadam_tensor<scalar_t, M, C, W>(params[j].data_ptr<scalar_t>(), grads[j].data_ptr<scalar_t>(),
-                                      state[2 * n + j].data_ptr<scalar_t>(), state[3 * n + j].data_ptr<scalar_t>(),
-                                      params[j].numel(), scalar_t(1 - beta1), scalar_t(beta2),
-                                      scalar_t(1 - beta2), scalar_t(eps), scalar_t(wd), scalar_t(1 - lr * wd),
-                                      scalar_t(bc2_sqrt), scalar_t(size_g), scalar_t(size_m));
-      }); }); });
-    });
+    bc2s[j] = bc2_sqrt;
+    sizes_g[j] = size_g;
+    sizes_m[j] = size_m;
   }
+  AT_DISPATCH_FLOATING_TYPES(params[0].scalar_type(), "funcopt::nadam", [&] {
+    using T = scalar_t;
+    FUNCOPT_BOOL(maximize, M, [&] { FUNCOPT_BOOL(wd != 0 && !decoupled, C, [&] {
+    FUNCOPT_BOOL(wd != 0 && decoupled, W, [&] {
+      funcopt::for_each_chunk(funcopt::numels(params), [&](int64_t j, int64_t lo, int64_t hi) {
+        nadam_loop<T, M, C, W>(params[j].data_ptr<T>() + lo, grads[j].data_ptr<T>() + lo,
+                               state[2 * n + j].data_ptr<T>() + lo, state[3 * n + j].data_ptr<T>() + lo, hi - lo,
+                               T(1 - beta1), T(beta2), T(1 - beta2), T(eps), T(wd), T(1 - lr * wd), T(bc2s[j]),
+                               T(sizes_g[j]), T(sizes_m[j]));
+      });
+    }); }); });
+  });
 }
 
 }  // namespace

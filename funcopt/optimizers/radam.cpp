@@ -17,25 +17,23 @@
 namespace {
 
 template <typename T, bool maximize, bool coupled, bool decoupled>
-void radam_tensor(T* __restrict p, const T* __restrict g, T* __restrict m, T* __restrict v, int64_t n,
-                  T wd, T decay, T w1, T beta2, T one_m_beta2, T eps, T rect, T unrect) {
-  funcopt::chunks(n, [&](int64_t lo, int64_t hi) {
-    for (int64_t i = lo; i < hi; ++i) {
-      T gi = maximize ? -g[i] : g[i];
-      T pi = p[i];
-      if (coupled) gi = funcopt::add_alpha(gi, pi, wd);
-      if (decoupled) pi = pi * decay;
-      const T mi = funcopt::lerp(m[i], gi, w1);
-      m[i] = mi;
-      const T vi = funcopt::addcmul(v[i] * beta2, gi, gi, one_m_beta2);
-      v[i] = vi;
-      T buf = std::sqrt(vi) + eps;
-      buf = buf / rect;
-      buf = T(1) / buf;
-      buf = buf + unrect;
-      p[i] = funcopt::addcmul(pi, mi, buf, T(1));
-    }
-  });
+void radam_loop(T* __restrict p, const T* __restrict g, T* __restrict m, T* __restrict v, int64_t n,
+                T wd, T decay, T w1, T beta2, T one_m_beta2, T eps, T rect, T unrect) {
+  for (int64_t i = 0; i < n; ++i) {
+    T gi = maximize ? -g[i] : g[i];
+    T pi = p[i];
+    if (coupled) gi = funcopt::add_alpha(gi, pi, wd);
+    if (decoupled) pi = pi * decay;
+    const T mi = funcopt::lerp(m[i], gi, w1);
+    m[i] = mi;
+    const T vi = funcopt::addcmul(v[i] * beta2, gi, gi, one_m_beta2);
+    v[i] = vi;
+    T buf = std::sqrt(vi) + eps;
+    buf = buf / rect;
+    buf = T(1) / buf;
+    buf = buf + unrect;
+    p[i] = funcopt::addcmul(pi, mi, buf, T(1));
+  }
 }
 
 void radam(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
@@ -46,6 +44,7 @@ void radam(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>&
   const double lr = h[0], beta1 = h[1], beta2 = h[2], eps = h[3], wd = h[4];
   const bool decoupled = h[5] != 0, maximize = h[6] != 0;
   const double rho_inf = 2 / (1 - beta2) - 1;
+  std::vector<double> rects(n), unrects(n);
   for (size_t j = 0; j < n; ++j) {
     // radam.py: rho_t, r, bias_correction1, then the two step sizes (host doubles)
     const double t = funcopt::scalar_of(state[j]);
@@ -54,17 +53,21 @@ void radam(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>&
     if (rho > 5) r = std::pow((rho - 4) * (rho - 2) * rho_inf / ((rho_inf - 4) * (rho_inf - 2) * rho), 0.5);
     const double bc1 = 1 - std::pow(beta1, t);
     const double unrect = (lr * (r > 0 ? 0.0 : 1.0) / bc1) * -1;
-    const double rect = std::pow(1 - std::pow(beta2, t), 0.5) * (lr * r / bc1) * -1;
-    AT_DISPATCH_FLOATING_TYPES(params[j].scalar_type(), "funcopt::radam", [&] {
-      using T = scalar_t;
-      FUNCOPT_BOOL(maximize, M, [&] { FUNCOPT_BOOL(wd != 0 && !decoupled, C, [&] {
-      FUNCOPT_BOOL(wd != 0 && decoupled, D, [&] {
-        radam_tensor<T, M, C, D>(params[j].data_ptr<T>(), grads[j].data_ptr<T>(), state[n + j].data_ptr<T>(),
-                                 state[2 * n + j].data_ptr<T>(), params[j].numel(), T(wd), T(1 - lr * wd),
-                                 T(1 - beta1), T(beta2), T(1 - beta2), T(eps), T(rect), T(unrect));
-      }); }); });
-    });
+    rects[j] = std::pow(1 - std::pow(beta2, t), 0.5) * (lr * r / bc1) * -1;
+    unrects[j] = unrect;
   }
+  AT_DISPATCH_FLOATING_TYPES(params[0].scalar_type(), "funcopt::radam", [&] {
+    using T = scalar_t;
+    FUNCOPT_BOOL(maximize, M, [&] { FUNCOPT_BOOL(wd != 0 && !decoupled, C, [&] {
+    FUNCOPT_BOOL(wd != 0 && decoupled, D, [&] {
+      funcopt::for_each_chunk(funcopt::numels(params), [&](int64_t j, int64_t lo, int64_t hi) {
+        radam_loop<T, M, C, D>(params[j].data_ptr<T>() + lo, grads[j].data_ptr<T>() + lo,
+                               state[n + j].data_ptr<T>() + lo, state[2 * n + j].data_ptr<T>() + lo, hi - lo, T(wd),
+                               T(1 - lr * wd), T(1 - beta1), T(beta2), T(1 - beta2), T(eps), T(rects[j]),
+                               T(unrects[j]));
+      });
+    }); }); });
+  });
 }
 
 }  // namespace

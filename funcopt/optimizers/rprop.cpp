@@ -17,27 +17,25 @@ inline T sign(T x) {
 }
 
 template <typename T, bool maximize>
-void rprop_tensor(T* __restrict p, const T* __restrict g, T* __restrict prev, T* __restrict ss, int64_t n,
-                  T lo, T hi, T etaminus, T etaplus) {
-  funcopt::chunks(n, [&](int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i) {
-      const T gi = g[i], pv = prev[i], si0 = ss[i], pi = p[i];
-      T s = gi * pv;
-      if (maximize) s = -s;
-      T f = sign(s);
-      f = f > T(0) ? etaplus : f;
-      f = f < T(0) ? etaminus : f;
-      f = f == T(0) ? T(1) : f;
-      T si = si0 * f;
-      si = si < lo ? lo : si;  // std::max(s, lo)
-      si = hi < si ? hi : si;  // std::min(s, hi)
-      T gm = maximize ? -gi : gi;
-      gm = f == etaminus ? T(0) : gm;
-      ss[i] = si;
-      prev[i] = gm;
-      p[i] = funcopt::addcmul(pi, sign(gm), si, T(-1));
-    }
-  });
+void rprop_loop(T* __restrict p, const T* __restrict g, T* __restrict prev, T* __restrict ss, int64_t n,
+                T lo, T hi, T etaminus, T etaplus) {
+  for (int64_t i = 0; i < n; ++i) {
+    const T gi = g[i], pv = prev[i], si0 = ss[i], pi = p[i];
+    T s = gi * pv;
+    if (maximize) s = -s;
+    T f = sign(s);
+    f = f > T(0) ? etaplus : f;
+    f = f < T(0) ? etaminus : f;
+    f = f == T(0) ? T(1) : f;
+    T si = si0 * f;
+    si = si < lo ? lo : si;  // std::max(s, lo)
+    si = hi < si ? hi : si;  // std::min(s, hi)
+    T gm = maximize ? -gi : gi;
+    gm = f == etaminus ? T(0) : gm;
+    ss[i] = si;
+    prev[i] = gm;
+    p[i] = funcopt::addcmul(pi, sign(gm), si, T(-1));
+  }
 }
 
 void rprop(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
@@ -46,16 +44,15 @@ void rprop(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>&
   // hyper: step_size_min, step_size_max, etaminus, etaplus, maximize
   // state: step (unused), prev, step_size
   const bool maximize = h[4] != 0;
-  for (size_t j = 0; j < n; ++j) {
-    AT_DISPATCH_FLOATING_TYPES(params[j].scalar_type(), "funcopt::rprop", [&] {
-      using T = scalar_t;
-      FUNCOPT_BOOL(maximize, M, [&] {
-        rprop_tensor<T, M>(params[j].data_ptr<T>(), grads[j].data_ptr<T>(), state[n + j].data_ptr<T>(),
-                           state[2 * n + j].data_ptr<T>(), params[j].numel(), T(h[0]), T(h[1]), T(h[2]),
-                           T(h[3]));
+  AT_DISPATCH_FLOATING_TYPES(params[0].scalar_type(), "funcopt::rprop", [&] {
+    using T = scalar_t;
+    FUNCOPT_BOOL(maximize, M, [&] {
+      funcopt::for_each_chunk(funcopt::numels(params), [&](int64_t j, int64_t lo, int64_t hi) {
+        rprop_loop<T, M>(params[j].data_ptr<T>() + lo, grads[j].data_ptr<T>() + lo, state[n + j].data_ptr<T>() + lo,
+                         state[2 * n + j].data_ptr<T>() + lo, hi - lo, T(h[0]), T(h[1]), T(h[2]), T(h[3]));
       });
     });
-  }
+  });
 }
 
 }  // namespace

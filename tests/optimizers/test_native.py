@@ -126,6 +126,38 @@ def test_scripted_native_equals_eager_native(name, dtype):
 
 
 @pytest.mark.parametrize("name", list(NATIVE))
+def test_one_parallel_for_splits_without_changing_numbers(name):
+    """With two intra-op threads a step is one ``at::parallel_for`` over every
+    tensor's elements (one part per thread, cut inside a tensor at a multiple
+    of 64 elements, many small tensors batched): bitwise the one-thread step,
+    whatever the sizes (empty, tiny, odd, one large tensor cut in two)."""
+    spec = NATIVE[name]
+    g = torch.Generator().manual_seed(0)
+    shapes = [(70001,), (3,), (0,), (40000,), ()] + [(1000,)] * 30 + [(257, 129)]
+    init = [torch.randn(spec.param_shape(s), generator=g) for s in shapes]
+    grads = [[torch.randn(p.shape, generator=g) for p in init] for _ in range(3)]
+    out = []
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            ps = [p.clone() for p in init]
+            opt = spec.cls(ps, **spec.rich)
+            assert opt.uses_native
+            for gs in grads:
+                opt.step(gs)
+            out.append((ps, opt.state_dict()["state"]))
+    finally:
+        torch.set_num_threads(threads)
+    (a, sa), (b, sb) = out
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+    for i, entry in sa.items():
+        for k, v in entry.items():
+            assert torch.equal(v, sb[i][k]), (i, k)
+
+
+@pytest.mark.parametrize("name", list(NATIVE))
 def test_strided_and_odd_tensors_are_routed(name):
     """A transposed parameter and an expanded gradient take the foreach
     formula; the contiguous ones the native rule; all close to torch."""
