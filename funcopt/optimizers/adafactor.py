@@ -72,9 +72,15 @@ def _col_norm(g: Tensor) -> Tensor:
     Anything else (another dtype or device, a strided layout, whose reduction
     ATen orders differently, a dimension of size 1) takes torch's own call.
     ``tests/optimizers/test_adafactor.py`` checks the equality."""
+    return _col_norm_buf(g)[0]
+
+
+def _col_norm_buf(g: Tensor) -> Tuple[Tensor, Optional[Tensor]]:
+    """:func:`_col_norm`, and the scratch tensor shaped like ``g`` it used (``None``
+    where it took torch's call): a caller may write into it, saving an allocation."""
     if (g.dtype != torch.float32 or g.device.type != "cpu" or g.dim() < 2 or g.size(-1) < 2
             or g.size(-2) < 2 or not g.is_contiguous()):
-        return _line_norm(g, -2)
+        return _line_norm(g, -2), None
     shape = list(g.shape)
     shape[-2] = 1
     acc = torch.zeros(shape, dtype=g.dtype, device=g.device)
@@ -85,7 +91,7 @@ def _col_norm(g: Tensor) -> Tensor:
         acc.unsqueeze(0).index_add_(1, rows, sq.unsqueeze(0))
     else:
         acc.index_add_(g.dim() - 2, rows, sq)
-    return acc.double().sqrt_().to(torch.float32)
+    return acc.double().sqrt_().to(torch.float32), sq
 
 
 def adafactor(
@@ -135,6 +141,11 @@ def adafactor(
                             eps1, eps2, d, weight_decay)
         return
     t = step_values(steps)
+    if _per_tensor(params):
+        for j in range(len(params)):
+            _adafactor_one(params[j], grads[j], row_vars[j], col_vars[j], variances[j], t[j], multi[j], lr,
+                           beta2_decay, eps1, eps2, d, weight_decay)
+        return
     weights = scalars([s ** beta2_decay for s in t])
     alphas: List[float] = []
     for j in range(len(params)):
@@ -174,6 +185,56 @@ def adafactor(
         scales.append(-alphas[j] / max(1.0, float(_norm(u).item()) / ((u.numel() ** 0.5) * d)))
     torch._foreach_mul_(updates, scalars(scales))
     torch._foreach_add_(params, updates)
+
+
+def _per_tensor(params: List[Tensor]) -> bool:
+    """Step tensor by tensor (:func:`_adafactor_one`) rather than op by op over the
+    list: on CPU, where the foreach ops are themselves loops over the tensors
+    (the same per-tensor kernels, so the same numbers), once a tensor is large
+    enough (64K elements) that keeping it in cache across its ~10 passes pays
+    for the per-tensor dispatch."""
+    if params[0].device.type != "cpu":
+        return False
+    for p in params:
+        if p.numel() >= 65536:
+            return True
+    return False
+
+
+def _adafactor_one(p: Tensor, g: Tensor, row_var: Tensor, col_var: Tensor, variance: Tensor, t: float,
+                   multi: bool, lr: float, beta2_decay: float, eps1: float, eps2: float, d: float,
+                   weight_decay: float) -> None:
+    """One tensor's step: the ops of torch's foreach implementation for this
+    tensor, in its order (each ``torch._foreach_*`` op on CPU runs the per-tensor
+    op used here), so the numbers are the same; all passes over one tensor
+    run back to back while it is in cache.  ``g`` already negated for maximize."""
+    w = t ** beta2_decay
+    rho = min(lr, 1 / (t ** 0.5))
+    alpha = max(eps2, float(_norm(p).item()) / (p.numel() ** 0.5)) * rho
+    if weight_decay != 0:
+        p.mul_(1 - lr * weight_decay)
+    if multi:
+        row_mean = _line_norm(g, -1)
+        row_mean.mul_(row_mean)
+        row_mean.div_(float(g.size(-1)))
+        row_var.lerp_(row_mean, w)
+        col_mean, buf = _col_norm_buf(g)
+        col_mean.mul_(col_mean)
+        col_mean.div_(float(g.size(-2)))
+        col_var.lerp_(col_mean, w)
+        if buf is None:
+            v = torch.matmul(row_var, col_var)
+        else:
+            v = torch.matmul(row_var, col_var, out=buf)
+        v.div_(row_var.mean([-2], True).clamp_min_(eps1))
+    else:
+        variance.lerp_(g * g, w)
+        v = variance.clone()
+    v.clamp_min_(eps1 * eps1)
+    v.rsqrt_()
+    v.mul_(g)
+    v.mul_(-alpha / max(1.0, float(_norm(v).item()) / ((v.numel() ** 0.5) * d)))
+    p.add_(v)
 
 
 def _adafactor_compiled(ps: List[Tensor], gs: List[Tensor], rvs: List[Tensor], cvs: List[Tensor],

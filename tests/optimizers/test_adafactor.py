@@ -60,13 +60,17 @@ def test_col_norm_scripts():
 
 
 @pytest.mark.parametrize("scripted", [False, True], ids=["eager", "scripted"])
-def test_steps_match_torch_on_large_shapes(scripted):
+@pytest.mark.parametrize("big", [True, False], ids=["per-tensor", "foreach"])
+@pytest.mark.parametrize("kw", [dict(lr=0.05, beta2_decay=-0.5, weight_decay=0.1),
+                                dict(lr=0.01, eps=(1e-30, 1e-2), d=1.5, maximize=True)], ids=["decay", "maximize"])
+def test_steps_match_torch_on_large_shapes(scripted, big, kw):
+    # big: a tensor of >= 64K elements, so the step goes tensor by tensor (_adafactor_one)
     gen = torch.Generator().manual_seed(3)
-    shapes = [(300, 200), (200, 300), (300,), (6, 40, 50), (2, 1000), (1000, 2), (700, 1)]
+    shapes = [(300, 250), (250, 300), (300,), (70000,), (6, 40, 50), (2, 1000), (1000, 2), (700, 1)]
+    shapes = shapes if big else [s for s in shapes if s[0] * (s[1] if len(s) > 1 else 1) < 65536]
     base = [torch.randn(s, generator=gen) for s in shapes]
     fparams = [p.clone() for p in base]
     tparams = [p.clone().requires_grad_() for p in base]
-    kw = dict(lr=0.05, beta2_decay=-0.5, weight_decay=0.1)
     fo = funcopt.Adafactor(fparams, **kw)
     if scripted:
         fo = funcopt.script(fo)
