@@ -18,7 +18,7 @@ import torch
 import funcopt
 from funcopt.script import quiet_jit
 
-from ._step_limits import per_element_bytes, traffic
+from ._step_limits import NS_FLOOR, NS_FLOP_FORMULA, ns_dims, ns_flops, per_element_bytes, traffic
 
 Step = Callable[[], Any]
 
@@ -255,6 +255,57 @@ def aten_peer(algo: str) -> Callable[..., Tuple[Optional[Step], str]]:
     return build
 
 
+def ns_steps_of(algo: str) -> int:
+    """Newton-Schulz iterations per step in the benchmark's settings (Muon's default 5)."""
+    from funcopt.optimizers.muon import NS_STEPS
+
+    return int(algo_info(algo)["kw"].get("ns_steps", NS_STEPS))
+
+
+def ns_floor_peer(algo: str) -> Callable[..., Tuple[Optional[Step], str]]:
+    """Muon's FLOP floor: only the matmuls of its Newton-Schulz iterations, the same shapes and
+    dtype (bfloat16, as torch.optim.Muon and funcopt run them) and count, called straight from
+    Python: per matrix, ``ns_steps`` x (``X @ X.T``, ``G @ G``, ``G @ X``), ``X`` ``m x n`` with
+    ``m <= n`` (:func:`funcopt.bench._step_limits.ns_dims`).  Timed in the same interleaved
+    repeats as the optimizers, it is what the machine's matmul needs for the step's FLOPs."""
+    def build(params: List[torch.Tensor], grads: List[torch.Tensor]) -> Tuple[Optional[Step], str]:
+        ns = ns_steps_of(algo)
+        gen = torch.Generator().manual_seed(2)
+        mats = []
+        for p in params:
+            m, n = ns_dims(p.shape)
+            x = torch.randn(m, n, generator=gen).div_(math.sqrt(m * n)).to(torch.bfloat16)  # ||X||_F ~ 1
+            mats.append((x, torch.mm(x, x.t())))
+
+        def step() -> None:
+            for x, gm in mats:
+                for _ in range(ns):
+                    torch.mm(x, x.t())
+                    torch.mm(gm, gm)
+                    torch.mm(gm, x)
+
+        return step, (f"{ns} x 3 bfloat16 torch.mm per matrix ({NS_FLOP_FORMULA}); the peers' 'x floor' below "
+                      "divide by its time")
+
+    return build
+
+
+def peak_matmul(n: int = 1024, repeats: int = 5) -> Dict[str, float]:
+    """The machine's matmul rate at the current intra-op thread count: best GFLOP/s of an
+    ``n x n x n`` ``torch.mm`` in bfloat16 and float32 (``2 n^3`` FLOPs each)."""
+    out: Dict[str, float] = {}
+    for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+        a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+        torch.mm(a, b)
+        ts = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            torch.mm(a, b)
+            ts.append(time.perf_counter() - t0)
+        out[name] = 2.0 * n ** 3 / min(ts) / 1e9
+    return out
+
+
 COMPILED_PEERS = ("funcopt compiled", "torch.optim compiled")
 
 
@@ -271,6 +322,7 @@ def peers_for(algo: str) -> List[Tuple[str, Callable[..., Tuple[Optional[Step], 
         ("torch.optim compiled", torch_peer(algo, "compiled")),
         ("torch functional script", functional_peer(algo)),
         ("aten fused (direct)", aten_peer(algo)),
+        (NS_FLOOR, ns_floor_peer(algo)),
     ]
 
 
@@ -278,6 +330,8 @@ def skip_reason(name: str, algo: str, size: str, numel: int, args: argparse.Name
     """Why peer ``name`` does not run in this case ("" : it runs)."""
     from funcopt.registry import REGISTRY
 
+    if name == NS_FLOOR:  # Muon's reference (like the bandwidth), whatever --peers says
+        return "" if algo == "Muon" else "-"
     if args.peers and not any(s in name for s in args.peers):
         return "-"  # filtered out: no note
     if name in COMPILED_PEERS:
@@ -398,6 +452,10 @@ def run_case(algo: str, size: str, args: argparse.Namespace, bw: float) -> Dict[
                threads=torch.get_num_threads(), bytes_per_param=tr["bytes"], slots=tr["slots"], impl=impl,
                median_s=med, min_max_s=spread, notes=notes, times_s={n: t for n, t in zip(names, times)},
                wall_s=wall, cpu_per_wall=cpu_per_wall, loadavg=os.getloadavg())
+    if NS_FLOOR in med:
+        res["ns_gflop"] = ns_flops(shapes, ns_steps_of(algo)) / 1e9
+        res["ns_flop_formula"] = NS_FLOP_FORMULA
+        res["peak_matmul_gflops"] = peak_matmul()
     print_case(res, bw)
     del steps
     gc.collect()
@@ -424,5 +482,15 @@ def print_case(res: Dict[str, Any], bw: float) -> None:
         xl = f"{t / limit:.2f}x" if limit else "-"
         print(f"  {name:<26}{t * 1e3:>10.2f}{f'{lo * 1e3:.1f}..{hi * 1e3:.1f}':>17}{r1:>10}{r2:>11}"
               f"{gbs:>8.1f}{100 * gbs / bw if bw else 0:>5.0f}%{xl:>9}")
+    if res.get("ns_gflop"):
+        floor, pk = med[NS_FLOOR], res["peak_matmul_gflops"]
+        print(f"  Newton-Schulz: {res['ns_gflop']:.4g} GFLOP per step ({res['ns_flop_formula']}); its matmuls "
+              f"alone ({NS_FLOOR}) {floor * 1e3:.2f} ms = {res['ns_gflop'] / floor:.1f} GFLOP/s; this machine's "
+              f"1024^3 torch.mm: {pk['bf16']:.1f} GFLOP/s bfloat16, {pk['fp32']:.1f} float32 (FLOP limit at that "
+              f"rate {res['ns_gflop'] / pk['bf16'] * 1e3:.2f} ms)")
+        for name, t in med.items():
+            if name != NS_FLOOR:
+                print(f"    {name:<26} {res['ns_gflop'] / t:8.1f} GFLOP/s, {t / floor:.2f}x the matmul floor, "
+                      f"{t * pk['bf16'] / res['ns_gflop']:.2f}x the 1024^3 bf16 rate")
     for n in res["notes"]:
         print(f"  note: {n}")
