@@ -23,8 +23,38 @@ def _run(args, timeout):
     )
 
 
-def test_demo_losses_equal():
-    r = _run(["-m", "funcopt", "demo", "--steps", "20", "--no-progress"], timeout=240)
+def _run_many(argvs, timeout):
+    """``_run`` of each argument list, two fresh interpreters at a time (the
+    2-core machine: each start-up is an ``import torch`` on one core); results
+    in order.  The same commands, each in its own interpreter, as ``_run``."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=2) as ex:
+        return list(ex.map(lambda a: _run(a, timeout), argvs))
+
+
+_DEMOS = {"losses": ["-m", "funcopt", "demo", "--steps", "20", "--no-progress"],
+          "progress": ["-m", "funcopt", "demo", "--steps", "3"]}
+_QUICK = {"import": ["-W", "error", "-c", "import funcopt"],
+          "import-cli": ["-W", "error", "-c", "import funcopt.cli"],
+          "version": ["-m", "funcopt", "--version"],
+          "usage": ["-m", "funcopt"]}
+
+
+@pytest.fixture(scope="module")
+def demos():
+    """Both demo runs, side by side (each its own interpreter)."""
+    return dict(zip(_DEMOS, _run_many(list(_DEMOS.values()), timeout=240)))
+
+
+@pytest.fixture(scope="module")
+def quick():
+    """The four quick commands, two at a time (each its own interpreter)."""
+    return dict(zip(_QUICK, _run_many(list(_QUICK.values()), timeout=120)))
+
+
+def test_demo_losses_equal(demos):
+    r = demos["losses"]
     assert r.returncode == 0, r.stdout + r.stderr
     rows = {}
     for line in r.stdout.splitlines():
@@ -40,34 +70,34 @@ def test_demo_losses_equal():
     assert "step time ratio torch/funcopt:" in r.stdout
 
 
-def test_demo_progress_bar_on_stderr():
-    r = _run(["-m", "funcopt", "demo", "--steps", "3"], timeout=240)
+def test_demo_progress_bar_on_stderr(demos):
+    r = demos["progress"]
     assert r.returncode == 0, r.stdout + r.stderr
     assert "3/3" in r.stderr  # tqdm
     assert "final losses bitwise equal: yes" in r.stdout
 
 
-def test_import_is_silent():
-    r = _run(["-W", "error", "-c", "import funcopt"], timeout=120)
+def test_import_is_silent(quick):
+    r = quick["import"]
     assert r.returncode == 0, r.stderr
     assert r.stdout == "" and r.stderr == ""
 
 
-def test_import_cli_is_silent():
-    r = _run(["-W", "error", "-c", "import funcopt.cli"], timeout=120)
+def test_import_cli_is_silent(quick):
+    r = quick["import-cli"]
     assert r.returncode == 0, r.stderr
     assert r.stdout == "" and r.stderr == ""
 
 
-def test_version():
-    r = _run(["-m", "funcopt", "--version"], timeout=120)
+def test_version(quick):
+    r = quick["version"]
     assert r.returncode == 0, r.stderr
     assert re.fullmatch(r"funcopt \S+ \(torch \S+, Python \S+\)\n", r.stdout), r.stdout
     assert r.stderr == ""
 
 
-def test_usage_errors():
-    r = _run(["-m", "funcopt"], timeout=120)
+def test_usage_errors(quick):
+    r = quick["usage"]
     assert r.returncode == 2 and "COMMAND" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr
 
@@ -125,8 +155,10 @@ def test_bad_arguments_are_one_line_exit_2(argv, says, capsys, monkeypatch):
 def test_bad_lr_is_refused_before_anything_runs():
     """Every demo trains with Adam: an lr torch.optim.Adam refuses is one line and
     exit code 2, checked before any process is spawned (it used to hang with --rpc)."""
-    for extra, lr in ((["--rpc"], "-1"), (["--zero", "1"], "nan"), ([], "-0.5"), (["--zero", "2"], "-1")):
-        r = _run(["-m", "funcopt", "demo", *extra, "--lr", lr, "--steps", "3", "--no-progress"], timeout=120)
+    cases = ((["--rpc"], "-1"), (["--zero", "1"], "nan"), ([], "-0.5"), (["--zero", "2"], "-1"))
+    runs = _run_many([["-m", "funcopt", "demo", *extra, "--lr", lr, "--steps", "3", "--no-progress"]
+                      for extra, lr in cases], timeout=120)
+    for (extra, lr), r in zip(cases, runs):
         assert r.returncode == 2, (extra, lr, r.stdout + r.stderr)
         assert r.stderr.strip().splitlines() == [
             f"funcopt demo: --lr {float(lr):g}: Invalid learning rate: {float(lr)}"], (extra, lr, r.stderr)
@@ -178,8 +210,9 @@ def test_package_never_runs_examples_or_benchmarks():
 
 
 def test_bench_help():
-    r = _run(["-m", "funcopt", "bench", "--help"], timeout=120)
+    layers = ("step", "zero", "rpc")
+    r, *per_layer = _run_many([["-m", "funcopt", "bench", "--help"]]
+                              + [["-m", "funcopt", "bench", layer, "--help"] for layer in layers], timeout=120)
     assert r.returncode == 0 and "funcopt bench" in r.stdout and "--quick" in r.stdout, r.stdout + r.stderr
-    for layer in ("step", "zero", "rpc"):
-        r = _run(["-m", "funcopt", "bench", layer, "--help"], timeout=120)
+    for layer, r in zip(layers, per_layer):
         assert r.returncode == 0 and f"funcopt bench {layer}" in r.stdout, r.stdout + r.stderr
