@@ -55,6 +55,19 @@ def _line_norm(t: Tensor, dim: int) -> Tensor:
     return torch.linalg.vector_norm(t, 2.0, [dim], True)
 
 
+def _norms(ts: List[Tensor]) -> List[float]:
+    """``[float(t.norm(2)) for t in ts]`` with one host read; on CPU one ``torch._foreach_norm``
+    (there a loop of the same ``linalg_vector_norm`` per tensor, so the same numbers; other
+    devices' multi-tensor kernel reduces in another order, so there: one norm per tensor)."""
+    if len(ts) == 0:
+        return []
+    if ts[0].device.type == "cpu":
+        norms = torch._foreach_norm(ts, 2.0)
+    else:
+        norms = [_norm(x) for x in ts]
+    return torch.jit.annotate(List[float], torch.stack(norms).double().tolist())
+
+
 def _col_norm(g: Tensor) -> Tensor:
     """``torch.norm(g, dim=-2, keepdim=True)``, bitwise, without its slow path.
 
@@ -148,10 +161,10 @@ def adafactor(
         return
     weights = scalars([s ** beta2_decay for s in t])
     alphas: List[float] = []
+    p_norms = _norms(params)
     for j in range(len(params)):
-        p = params[j]
         rho = min(lr, 1 / (t[j] ** 0.5))
-        alphas.append(max(eps2, float(_norm(p).item()) / (p.numel() ** 0.5)) * rho)
+        alphas.append(max(eps2, p_norms[j] / (params[j].numel() ** 0.5)) * rho)
     if weight_decay != 0:
         torch._foreach_mul_(params, 1 - lr * weight_decay)
     if any_multi:
@@ -165,24 +178,29 @@ def adafactor(
         torch._foreach_div_(col_means, scalars([float(g.size(-2)) if g.dim() > 1 else 1.0 for g in grads]))
         torch._foreach_lerp_(col_vars, col_means, weights)
     if any_vec:
-        grads_squared = [grads[j] * grads[j] if not multi[j] else variances[j] for j in range(len(grads))]
-        torch._foreach_lerp_(variances, grads_squared, weights)
-    var_estimates: List[Tensor] = []
-    for j in range(len(grads)):
-        if multi[j]:
-            v = torch.matmul(row_vars[j], col_vars[j])
-            v.div_(row_vars[j].mean([-2], True).clamp_min_(eps1))
-            var_estimates.append(v)
+        if any_multi:
+            grads_squared = [grads[j] * grads[j] if not multi[j] else variances[j] for j in range(len(grads))]
         else:
-            var_estimates.append(variances[j].clone())
-    torch._foreach_clamp_min_(var_estimates, eps1 * eps1)
+            grads_squared = torch._foreach_mul(grads, grads)
+        torch._foreach_lerp_(variances, grads_squared, weights)
+    if any_multi:
+        var_estimates: List[Tensor] = []
+        for j in range(len(grads)):
+            if multi[j]:
+                v = torch.matmul(row_vars[j], col_vars[j])
+                v.div_(row_vars[j].mean([-2], True).clamp_min_(eps1))
+                var_estimates.append(v.clamp_min_(eps1 * eps1))
+            else:
+                var_estimates.append(torch.clamp_min(variances[j], eps1 * eps1))  # = clone, then clamp_min_
+    else:
+        var_estimates = torch._foreach_clamp_min(variances, eps1 * eps1)
     torch._foreach_rsqrt_(var_estimates)
     torch._foreach_mul_(var_estimates, grads)
     updates = var_estimates
     scales: List[float] = []
+    u_norms = _norms(updates)
     for j in range(len(updates)):
-        u = updates[j]
-        scales.append(-alphas[j] / max(1.0, float(_norm(u).item()) / ((u.numel() ** 0.5) * d)))
+        scales.append(-alphas[j] / max(1.0, u_norms[j] / ((updates[j].numel() ** 0.5) * d)))
     torch._foreach_mul_(updates, scalars(scales))
     torch._foreach_add_(params, updates)
 
