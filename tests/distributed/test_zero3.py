@@ -1,6 +1,7 @@
 """ZeRO-3 (Zero3Layer / Zero3Sequential / zero3) against single-process torch.optim.
 
-One spawn per world size (1, 2, 3, 4; 3 gives uneven padding) runs every case
+One spawn per world size (1, 2, 3, 4; 3 gives uneven padding; W=3 is in the rest
+tier, tests/conftest.py REST: W=2 and W=4 pad unevenly too) runs every case
 in order inside the ranks (``_dist_zero3_work``) and saves the results; the
 tests below are assertions over those files.  The oracle is ``torch.optim``
 on the unsharded model and the full batch, run here in the parent.

@@ -3,7 +3,8 @@
 ``save_sharded`` / ``load_sharded`` of a ZeRO-3 root go through the same
 checkpoint layer as ZeRO-1/2 (DCP, one commit record, all-or-nothing).  One
 spawn saves at W=4 (trains 3 steps, saves with and without the optimizer,
-trains 3 more: the uninterrupted run); one spawn per W in (2, 3) loads into a
+trains 3 more: the uninterrupted run); one spawn per W in (2, 3) (W=3 in the rest
+tier, tests/conftest.py REST) loads into a
 fresh model and trains the same 3 steps.  The loaded model equals the saved
 one exactly; the continued training equals the uninterrupted run (1e-5
 relative: the gradient reduction order differs with W).  A broken or foreign
