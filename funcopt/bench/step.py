@@ -32,6 +32,12 @@ Peers (where they exist for the algorithm):
   lists; not a user's choice.  On large tensors it is the floor of any wrapper;
   on many small tensors it is not (Python converts every list argument, six
   lists of 2000 tensors here, on each call).
+* ``matmul floor (NS shapes)`` (Muon only, always run): the matmuls of Muon's
+  Newton-Schulz iterations alone, the same shapes and count in bfloat16
+  (``ns_steps`` x ``X @ X.T``, ``G @ G``, ``G @ X`` per matrix).  Muon's limit
+  is this floor, not the memory limit; each Muon case also prints the FLOP
+  count (``ns_steps x (4 m^2 n + 2 m^3)`` per matrix, ``m <= n``), the floor's
+  GFLOP/s and the machine's ``1024^3`` bfloat16/float32 ``torch.mm`` rate.
 
 Also printed: the machine's measured memory bandwidth (``torch.add(out=)`` over
 64M floats, before each size at each thread count), effective GB/s of each
