@@ -499,23 +499,26 @@ class Optimizer(torch.optim.Optimizer):
             if not isinstance(slots, torch.jit.RecursiveScriptClass):
                 self._make_core(slots, self.kernel_class())  # eager constructor work (Adagrad's initial state)
                 slots = script_object(slots)
-            core = script_object(self._make_core(slots, script_object(self._kernel())))
+            core = script_object(self._make_core(slots, script_object(self._kernel()), self._native))
         else:
-            core = self._make_core(slots, self._kernel())
+            core = self._make_core(slots, self._kernel(), self._native)
         self._slots = slots
         self._core = core
         self._portable = None
         self._epoch = -1
 
-    def _make_core(self, slots: Any, kernel: Any) -> Any:
+    def _make_core(self, slots: Any, kernel: Any, native: bool = False) -> Any:
         from .optimizers import _core
 
         # impl="auto": a CPU bucket that runs the foreach formula (no fused kernel, no native
         # rule there) runs it cache-blocked, bitwise the same (Core._blocked); impl="foreach"
         # keeps torch's call sequence, and a whole-parameter rule cannot be cut
         block = _core.BLOCK_BYTES if self.impl == "auto" and not self.whole_params else 0
+        # an ATen fused kernel (fused_devices) takes grad_scale / found_inf itself; a native
+        # rule's buckets get unscaled, checked gradients (a NativeKernel: Core.native)
+        fused_amp = self.native_rule is None or len(self.fused_devices) > 0
         return _core.Core(slots, kernel, self.sparse_msg, self.split_first, self.init_at_construction,
-                          self.native_rule is None, block)
+                          fused_amp, block, native)
 
     def _script(self) -> None:
         with self._lock:

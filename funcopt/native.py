@@ -4,8 +4,9 @@ The elementwise update rules without an ATen fused kernel (RMSprop, Adamax,
 Adadelta, NAdam, RAdam, ASGD, Rprop, Lion) each have a C++ twin of their
 foreach formula, beside it (``funcopt/optimizers/<name>.cpp``): one loop that
 reads and writes every element once, vectorized by the compiler (each flag
-combination is its own branch-free loop) and split over intra-op threads with
-``at::parallel_for``.  They register one operator,
+combination is its own branch-free loop), one ``at::parallel_for`` per step
+over every tensor's elements (``funcopt::for_each_chunk``).  SGD has one too
+(float32/float64 CPU; its fused ATen kernel elsewhere).  They register one operator,
 ``torch.ops.funcopt.step_(rule, params, grads, state, hyper, grad_scale,
 found_inf)``, with ``TORCH_LIBRARY``: callable from eager code, from
 TorchScript (the scripted step stays GIL-free) and, with the fake
@@ -62,7 +63,7 @@ SOURCE_DIR = pathlib.Path(__file__).resolve().parent / "optimizers"
 CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off"]
 NATIVE_DTYPES = (torch.float32, torch.float64)
 # rule name -> the algorithm file whose C++ twin implements it (tests and docs read this)
-RULES = ("rmsprop", "adamax", "adadelta", "nadam", "radam", "asgd", "rprop", "lion")
+RULES = ("rmsprop", "adamax", "adadelta", "nadam", "radam", "asgd", "rprop", "lion", "sgd")
 
 
 class NativeUnavailableWarning(UserWarning):

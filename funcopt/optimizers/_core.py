@@ -117,6 +117,12 @@ def ensure_interface() -> None:
             torch.jit.interface(Kernel)
 
 
+def native_bucket(p: Tensor) -> bool:
+    """Whether a fast bucket of ``p``'s device and dtype runs the native rule
+    (funcopt.native.NATIVE_DTYPES on CPU), not an ATen fused kernel."""
+    return p.is_cpu and (p.dtype == torch.float32 or p.dtype == torch.float64)
+
+
 class NativeKernel:
     """An algorithm's kernel with its native one-pass rule on the fast path.
 
@@ -126,8 +132,12 @@ class NativeKernel:
     (``fused``: CPU, float32/float64, contiguous) it calls
     ``torch.ops.funcopt.step_`` (:mod:`funcopt.native`) with the state slots
     flattened slot-major and the hyperparameters named by ``keys``, in the
-    order the C++ rule reads them.  The core gives it unscaled, checked
-    gradients (``Core.fused_amp`` is False).
+    order the C++ rule reads them (the key ``first``: 1.0 on a call of
+    first steps, for ``split_first`` classes).  The core gives it unscaled,
+    checked gradients (:meth:`Core._apply`).  A fast bucket the rule does not
+    take (an algorithm that also has an ATen fused kernel, SGD: other devices
+    and dtypes) goes to the base kernel's fused path, with ``grad_scale`` and
+    ``found_inf``.
     """
 
     def __init__(self, base: Kernel, rule: str, keys: List[str]) -> None:
@@ -146,15 +156,18 @@ class NativeKernel:
     def dense(self, params: List[Tensor], grads: List[Tensor], state: List[List[Tensor]],
               h: Dict[str, float], fused: bool, first: bool, grad_scale: Optional[Tensor],
               found_inf: Optional[Tensor]) -> None:
-        if not fused:
-            self.base.dense(params, grads, state, h, False, first, grad_scale, found_inf)
+        if not fused or not native_bucket(params[0]):
+            self.base.dense(params, grads, state, h, fused, first, grad_scale, found_inf)
             return
         flat: List[Tensor] = []
         for col in state:
             flat.extend(col)
         hyper: List[float] = []
         for k in self.keys:
-            hyper.append(h[k])
+            if k == "first":
+                hyper.append(1.0 if first else 0.0)
+            else:
+                hyper.append(h[k])
         torch.ops.funcopt.step_(self.rule, params, grads, flat, hyper, grad_scale, found_inf)
 
     def single(self, params: List[Tensor], grads: List[Tensor], state: List[List[Tensor]],
@@ -166,7 +179,7 @@ class Core:
     """Scriptable state and step of one optimizer: a :class:`Slots` and a kernel."""
 
     def __init__(self, slots: Slots, kernel: Kernel, sparse_msg: str, split_first: bool,
-                 init_at_construction: bool, fused_amp: bool = True, block: int = 0):
+                 init_at_construction: bool, fused_amp: bool = True, block: int = 0, native: bool = False):
         self.slots = slots
         self.kernel = kernel
         # > 0: run the foreach formula of a CPU bucket cache-blocked (:meth:`_blocked`), about
@@ -176,8 +189,11 @@ class Core:
         self.block = block
         # False: the bucket's fast path (a native rule) gets unscaled, checked
         # gradients like the foreach path; True: an ATen fused kernel takes
-        # grad_scale / found_inf itself
+        # grad_scale / found_inf itself -- except, with ``native`` (the kernel is a
+        # NativeKernel), on the buckets its rule steps (native_bucket: SGD's float32
+        # and float64 CPU buckets)
         self.fused_amp = fused_amp
+        self.native = native
         self.sparse_msg = sparse_msg
         self.split_first = split_first
         if init_at_construction:
@@ -262,7 +278,8 @@ class Core:
         if len(idx) == 0:
             return
         s = self.slots
-        if not fused or not self.fused_amp:
+        aten_amp = fused and self.fused_amp and not (self.native and native_bucket(grads[0]))
+        if not aten_amp:
             if skip_step(found_inf):
                 return
             grads = unscale(grads, grad_scale)
@@ -286,7 +303,7 @@ class Core:
             self._blocked(params, grads, state, h, first)
         else:
             self.kernel.dense(params, grads, state, h, fused, first, grad_scale, found_inf)
-        if fused and self.fused_amp and found_inf is not None and s.step_slot >= 0:
+        if aten_amp and found_inf is not None and s.step_slot >= 0:
             # found_inf is 0.0 or 1.0 (found_inf_flag): undo the bump on a skipped step
             steps = state[s.step_slot]
             torch._foreach_sub_(steps, [found_inf for _ in steps])

@@ -42,15 +42,13 @@ void step_(c10::string_view rule, at::TensorList params, at::TensorList grads, a
     }
   }
   if (found_inf.has_value() && found_inf->item<double>() != 0.0) return;
-  std::vector<at::Tensor> ps(params.begin(), params.end());
-  std::vector<at::Tensor> gs(grads.begin(), grads.end());
+  std::vector<at::Tensor> scaled;  // unscaled gradients (new tensors), only with grad_scale
   if (grad_scale.has_value()) {
-    for (auto& g : gs) g = g / *grad_scale;
+    scaled.reserve(n);
+    for (const auto& g : grads) scaled.push_back(g / *grad_scale);
   }
-  std::vector<at::Tensor> st(state.begin(), state.end());
-  std::vector<double> h(hyper.begin(), hyper.end());
   RECORD_FUNCTION(std::string("funcopt::") + std::string(rule), std::vector<c10::IValue>());
-  info.fn(ps, gs, st, h);
+  info.fn(params, grad_scale.has_value() ? at::TensorList(scaled) : grads, state, hyper);
   // in-place writes are visible to autograd's saved-tensor checks, as for ATen's in-place ops
   for (const auto& t : params) t.unsafeGetTensorImpl()->bump_version();
   for (const auto& t : state)

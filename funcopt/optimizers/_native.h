@@ -14,8 +14,9 @@ namespace funcopt {
 // grads[j], state[k * n + j] (slot k of parameter j; absent slots hold empty
 // tensors), hyper (the rule's hyperparameters, in its Python spec's order).
 // Every tensor has been checked (CPU, contiguous, the list's dtype) by the op.
-using Rule = void (*)(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
-                      const std::vector<at::Tensor>& state, const std::vector<double>& hyper);
+// (Lists are views of the op's arguments: no copies, no reference-count traffic per tensor.)
+using Rule = void (*)(at::TensorList params, at::TensorList grads, at::TensorList state,
+                      at::ArrayRef<double> hyper);
 
 struct RuleInfo {
   Rule fn;
@@ -83,7 +84,7 @@ inline void for_each_chunk(const std::vector<int64_t>& sizes, const F& f, int64_
     }
   });
 }
-inline std::vector<int64_t> numels(const std::vector<at::Tensor>& ts) {
+inline std::vector<int64_t> numels(at::TensorList ts) {
   std::vector<int64_t> out(ts.size());
   for (size_t j = 0; j < ts.size(); ++j) out[j] = ts[j].numel();
   return out;

@@ -24,8 +24,7 @@ void adadelta_loop(T* __restrict p, const T* __restrict g, T* __restrict v, T* _
   }
 }
 
-void adadelta(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
-              const std::vector<at::Tensor>& state, const std::vector<double>& h) {
+void adadelta(at::TensorList params, at::TensorList grads, at::TensorList state, at::ArrayRef<double> h) {
   const size_t n = params.size();
   // slots: step (bumped by the core, unused here), square_avg, acc_delta;
   // hyper: lr, rho, eps, weight_decay, maximize

@@ -23,8 +23,7 @@ void adamax_loop(T* __restrict p, const T* __restrict g, T* __restrict m, T* __r
   }
 }
 
-void adamax(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
-            const std::vector<at::Tensor>& state, const std::vector<double>& h) {
+void adamax(at::TensorList params, at::TensorList grads, at::TensorList state, at::ArrayRef<double> h) {
   const size_t n = params.size();
   // slots: step, exp_avg, exp_inf; hyper: lr, beta1, beta2, eps, weight_decay, maximize
   const double lr = h[0], beta1 = h[1], beta2 = h[2], eps = h[3], wd = h[4];

@@ -36,7 +36,7 @@ inline S pow_scalar(S x, double e) {
 // vsSqrt (not correctly rounded; its per-element result depends on the value
 // only): one at::sqrt over all of them gives torch's numbers to the bit.
 template <typename S>
-void new_etas(const std::vector<at::Tensor>& state, size_t n, double lr, double lambd, double alpha,
+void new_etas(at::TensorList state, size_t n, double lr, double lambd, double alpha,
               at::ScalarType st) {
   std::vector<S> x(n);
   for (size_t j = 0; j < n; ++j) {
@@ -74,8 +74,7 @@ void asgd_loop(T* __restrict p, const T* __restrict g, T* __restrict ax, int64_t
   }
 }
 
-void asgd(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
-          const std::vector<at::Tensor>& state, const std::vector<double>& h) {
+void asgd(at::TensorList params, at::TensorList grads, at::TensorList state, at::ArrayRef<double> h) {
   const size_t n = params.size();
   // hyper: lr, lambd, alpha, t0, weight_decay, maximize
   // state: step (0-d, bumped), eta (0-d), mu (0-d), ax

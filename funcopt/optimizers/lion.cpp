@@ -22,8 +22,7 @@ void lion_loop(T* __restrict p, const T* __restrict g, T* __restrict m, int64_t 
   }
 }
 
-void lion(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
-          const std::vector<at::Tensor>& state, const std::vector<double>& h) {
+void lion(at::TensorList params, at::TensorList grads, at::TensorList state, at::ArrayRef<double> h) {
   const size_t n = params.size();
   // hyper: lr, beta1, beta2, weight_decay, maximize
   // state: exp_avg

@@ -37,8 +37,7 @@ void nadam_loop(T* __restrict p, const T* __restrict g, T* __restrict m, T* __re
   }
 }
 
-void nadam(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
-           const std::vector<at::Tensor>& state, const std::vector<double>& h) {
+void nadam(at::TensorList params, at::TensorList grads, at::TensorList state, at::ArrayRef<double> h) {
   const size_t n = params.size();
   // slots: step, mu_product (0-d), exp_avg, exp_avg_sq;
   // hyper: lr, beta1, beta2, eps, weight_decay, momentum_decay, decoupled_weight_decay, maximize

@@ -36,8 +36,7 @@ void radam_loop(T* __restrict p, const T* __restrict g, T* __restrict m, T* __re
   }
 }
 
-void radam(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
-           const std::vector<at::Tensor>& state, const std::vector<double>& h) {
+void radam(at::TensorList params, at::TensorList grads, at::TensorList state, at::ArrayRef<double> h) {
   const size_t n = params.size();
   // hyper: lr, beta1, beta2, eps, weight_decay, decoupled_weight_decay, maximize
   // state: step (0-d, bumped), exp_avg, exp_avg_sq

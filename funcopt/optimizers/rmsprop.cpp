@@ -31,8 +31,7 @@ void rmsprop_loop(T* __restrict p, const T* __restrict g, T* __restrict v, T* __
   }
 }
 
-void rmsprop(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
-             const std::vector<at::Tensor>& state, const std::vector<double>& h) {
+void rmsprop(at::TensorList params, at::TensorList grads, at::TensorList state, at::ArrayRef<double> h) {
   const size_t n = params.size();
   // hyper: lr, alpha, eps, weight_decay, momentum, centered, maximize
   AT_DISPATCH_FLOATING_TYPES(params[0].scalar_type(), "funcopt::rmsprop", [&] {

@@ -38,8 +38,7 @@ void rprop_loop(T* __restrict p, const T* __restrict g, T* __restrict prev, T* _
   }
 }
 
-void rprop(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
-           const std::vector<at::Tensor>& state, const std::vector<double>& h) {
+void rprop(at::TensorList params, at::TensorList grads, at::TensorList state, at::ArrayRef<double> h) {
   const size_t n = params.size();
   // hyper: step_size_min, step_size_max, etaminus, etaplus, maximize
   // state: step (unused), prev, step_size

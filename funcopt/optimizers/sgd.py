@@ -181,6 +181,9 @@ class SGD(Optimizer):
     split_first = True
     slots = (("momentum_buffer", "momentum"),)
     fused_devices = ("cpu", "cuda", "mps", "xpu")
+    # float32/float64 CPU buckets (impl="auto"): the native one-pass rule (sgd.cpp), bitwise
+    # torch.optim.SGD(foreach=True); other CPU dtypes and devices: torch's fused kernel
+    native_rule = ("sgd", ("lr", "momentum", "dampening", "weight_decay", "nesterov", "maximize", "first"))
 
     def __init__(self, params: Any, lr: Any = 1e-3, momentum: float = 0, dampening: float = 0,
                  weight_decay: Any = 0, nesterov: bool = False, *, maximize: bool = False,

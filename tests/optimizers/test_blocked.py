@@ -35,8 +35,8 @@ TRANSPOSED, STRIDED_GRAD = 8, 9
 
 def _dtypes(spec):
     """Real dtypes where the CPU bucket runs the foreach formula (a native rule, disabled
-    here), else complex ones (no fused kernel takes them)."""
-    if spec.native_rule:
+    here, and no ATen fused kernel: not SGD), else complex ones (no fused kernel takes them)."""
+    if spec.native_rule and "cpu" not in spec.fused_devices:
         return [torch.float32, torch.float64]
     return [torch.complex64, torch.complex128]
 

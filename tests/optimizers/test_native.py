@@ -112,6 +112,21 @@ def test_native_matches_torch_foreach(name, kw, dtype):
     _compare(fo, to, fp, tp, exact=False, what=f"{name} native {kw}")
 
 
+# rules with no sqrt: torch's own CPU roundings throughout (funcopt's add_alpha, lerp, addcmul)
+BITWISE = ("SGD", "ASGD", "Rprop", "Lion", "Adamax")
+
+
+@pytest.mark.parametrize("name,kw,dtype", [c for c in _cases() if c.values[0] in BITWISE])
+def test_native_bitwise_where_no_sqrt(name, kw, dtype):
+    """SGD (momentum, dampening, Nesterov, weight decay, maximize, the first
+    step's buffer = the gradient), ASGD, Rprop, Lion and Adamax: bitwise
+    torch.optim's foreach step, parameters and state."""
+    spec = NATIVE[name]
+    fo, to, fp, tp = _run(spec, kw, dtype, "auto")
+    assert fo.uses_native
+    _compare(fo, to, fp, tp, exact=True, what=f"{name} native {kw}")
+
+
 @pytest.mark.parametrize("name", list(NATIVE))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
 def test_scripted_native_equals_eager_native(name, dtype):
