@@ -108,7 +108,9 @@ def test_torch_notice_has_the_expected_category() -> None:
 def test_script_warns_nothing_and_matches_torch(name: str) -> None:
     """``funcopt.script`` + steps under ``simplefilter("error")``: any warning fails.
 
-    Scripted steps (the fused kernel on CPU) give torch.optim's fused numbers bitwise."""
+    Scripted steps give torch.optim's numbers bitwise: its fused kernel's where funcopt's
+    CPU step is that kernel, its foreach formula's where funcopt steps a native rule that
+    reproduces it (SGD: ``tests/optimizers/test_native.py``)."""
     if _compat.scripting_unavailable():
         pytest.skip(f"TorchScript does not work here: {_compat.scripting_unavailable()}")
     params = _params()
@@ -121,7 +123,8 @@ def test_script_warns_nothing_and_matches_torch(name: str) -> None:
                 opt.step(_grads(params, i))
     assert rec == [], [f"{w.category.__name__}: {w.message}" for w in rec]
     assert type(opt.core).__name__ == "RecursiveScriptClass"
-    expected = _torch_steps(name, 3, fused=True)
+    kw = {"foreach": True} if opt.uses_native else {"fused": True}
+    expected = _torch_steps(name, 3, **kw)
     for a, b in zip(params, expected):
         assert torch.equal(a, b), (name, (a - b).abs().max())
 
