@@ -9,9 +9,9 @@ the median of the per-step times.
 Peers (where they exist for the algorithm):
 
 * funcopt scripted (``funcopt.script``) and eager with the default
-  ``impl="auto"`` (the native one-pass rule for RMSprop, Adamax, Adadelta,
-  NAdam, RAdam, ASGD, Rprop and Lion; torch's fused kernel for Adam, AdamW,
-  SGD and Adagrad; the foreach formula for Adafactor and Muon), and scripted
+  ``impl="auto"`` (the native one-pass rule for SGD, RMSprop, Adamax, Adadelta,
+  NAdam, RAdam, ASGD, Rprop and Lion; torch's fused kernel for Adam, AdamW
+  and Adagrad; the foreach formula for Adafactor and Muon), and scripted
   ``impl="foreach"`` (the fallback where no compiler exists; algorithms with a
   native rule only unless ``--all-peers``)
 * funcopt compiled: ``torch.compile(opt.step, fullgraph=True)`` of the default
