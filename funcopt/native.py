@@ -60,7 +60,12 @@ import torch
 __all__ = ["NativeUnavailableWarning", "available", "build", "disable", "library_path", "load", "status", "RULES"]
 
 SOURCE_DIR = pathlib.Path(__file__).resolve().parent / "optimizers"
-CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off"]
+# -fopenmp: torch's CPU build runs at::parallel_for on OpenMP, and its header-inline
+# parallel region is a `#pragma omp parallel` that a build without the flag ignores
+# (every rule would run on one thread whatever torch.get_num_threads() says).  The
+# library links libgomp.so.1, the runtime torch itself loads (same soname: one runtime).
+CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off", "-fopenmp"]
+LDFLAGS = ["-fopenmp"]
 NATIVE_DTYPES = (torch.float32, torch.float64)
 # rule name -> the algorithm file whose C++ twin implements it (tests and docs read this)
 RULES = ("rmsprop", "adamax", "adadelta", "nadam", "radam", "asgd", "rprop", "lion", "sgd")
@@ -98,6 +103,7 @@ def _key() -> str:
         h.update(f.name.encode())
         h.update(f.read_bytes())
     h.update(" ".join(CFLAGS).encode())
+    h.update(" ".join(LDFLAGS).encode())
     h.update(torch.__version__.encode())
     h.update(str(torch._C._GLIBCXX_USE_CXX11_ABI).encode())
     h.update(_cpu_flags().encode())
@@ -170,6 +176,7 @@ def build(verbose: bool = False) -> pathlib.Path:
             name="funcopt_native",
             sources=[str(s) for s in _sources()],
             extra_cflags=CFLAGS + [f"-I{SOURCE_DIR}"],
+            extra_ldflags=LDFLAGS,
             build_directory=work,
             is_python_module=False,
             verbose=verbose,

@@ -3,6 +3,8 @@
 // torch.ops.funcopt.step_(rule, params, grads, state, hyper, grad_scale, found_inf)
 // checks every tensor before it changes anything, then runs the rule registered
 // under `rule` (each rule lives beside its Python formula, funcopt/optimizers/<name>.cpp).
+#include <atomic>
+
 #include "_native.h"
 #include <ATen/ATen.h>
 #include <torch/library.h>
@@ -55,9 +57,24 @@ void step_(c10::string_view rule, at::TensorList params, at::TensorList grads, a
     if (t.numel() > 0) t.unsafeGetTensorImpl()->bump_version();
 }
 
+// How many threads one at::parallel_for of `parts` parts ran on (the highest
+// thread number seen, plus one): 1 where the library was built without OpenMP,
+// whose header-inline parallel region then silently runs on the calling thread.
+int64_t parallel_width(int64_t parts) {
+  std::atomic<int64_t> width{1};
+  at::parallel_for(0, parts, 1, [&](int64_t, int64_t) {
+    const int64_t w = static_cast<int64_t>(at::get_thread_num()) + 1;
+    int64_t cur = width.load();
+    while (w > cur && !width.compare_exchange_weak(cur, w)) {
+    }
+  });
+  return width.load();
+}
+
 }  // namespace funcopt
 
 TORCH_LIBRARY(funcopt, m) {
+  m.def("parallel_width(int parts) -> int", &funcopt::parallel_width);
   m.def("step_(str rule, Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] state, float[] hyper, "
         "Tensor? grad_scale=None, Tensor? found_inf=None) -> ()");
 }

@@ -140,6 +140,20 @@ def test_scripted_native_equals_eager_native(name, dtype):
     _compare(sc, to, sfp, tp, exact=False, what=f"{name} scripted native")
 
 
+def test_parallel_for_runs_on_every_intra_op_thread():
+    """The library's ``at::parallel_for`` really forks: with two intra-op threads a
+    two-part loop runs on two threads (a build without ``-fopenmp`` ran every rule on
+    the calling thread alone, whatever ``torch.set_num_threads`` said)."""
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert torch.ops.funcopt.parallel_width(2) == 2
+        torch.set_num_threads(1)
+        assert torch.ops.funcopt.parallel_width(2) == 1
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("name", list(NATIVE))
 def test_one_parallel_for_splits_without_changing_numbers(name):
     """With two intra-op threads a step is one ``at::parallel_for`` over every
