@@ -60,12 +60,34 @@ import torch
 __all__ = ["NativeUnavailableWarning", "available", "build", "disable", "library_path", "load", "status", "RULES"]
 
 SOURCE_DIR = pathlib.Path(__file__).resolve().parent / "optimizers"
-# -fopenmp: torch's CPU build runs at::parallel_for on OpenMP, and its header-inline
-# parallel region is a `#pragma omp parallel` that a build without the flag ignores
-# (every rule would run on one thread whatever torch.get_num_threads() says).  The
-# library links libgomp.so.1, the runtime torch itself loads (same soname: one runtime).
-CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off", "-fopenmp"]
-LDFLAGS = ["-fopenmp"]
+CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off"]
+
+
+def _openmp() -> List[str]:
+    """The OpenMP runtime torch itself loads (a file under torch's own library folders), or [].
+
+    torch's CPU ``at::parallel_for`` is OpenMP's header-inline parallel region: a build
+    without ``-fopenmp`` runs every rule on the calling thread whatever
+    ``torch.get_num_threads()`` says.  The library links exactly the libgomp that torch
+    ships (``torch/lib/libgomp.so.1``, or a renamed copy such as ``libgomp-<hash>.so.1``):
+    the loader finds that soname already loaded, so the process keeps one OpenMP runtime
+    (a second one, e.g. the system's ``libgomp.so.1`` beside torch's renamed copy, gives
+    wrong thread numbers).  Where torch ships none (not an OpenMP build, or one linked
+    against the system's runtime), the rules run on one thread.
+    """
+    if "OpenMP" not in torch.__config__.parallel_info():
+        return []
+    root = pathlib.Path(torch.__file__).resolve().parent
+    found = sorted(p for d in (root / "lib", root.parent / "torch.libs") if d.is_dir()
+                   for p in d.glob("libgomp*.so*"))
+    return [str(found[0])] if found else []
+
+
+_OPENMP = _openmp()
+# compiled with -fopenmp and linked against torch's own runtime file, where there is one
+LDFLAGS: List[str] = _OPENMP
+if _OPENMP:
+    CFLAGS = CFLAGS + ["-fopenmp"]
 NATIVE_DTYPES = (torch.float32, torch.float64)
 # rule name -> the algorithm file whose C++ twin implements it (tests and docs read this)
 RULES = ("rmsprop", "adamax", "adadelta", "nadam", "radam", "asgd", "rprop", "lion", "sgd")

@@ -154,6 +154,20 @@ def test_parallel_for_runs_on_every_intra_op_thread():
         torch.set_num_threads(threads)
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs Linux's /proc/self/maps")
+def test_one_openmp_runtime_in_the_process():
+    """The library links the OpenMP runtime file torch ships (``native._openmp``), never a
+    second one beside it (two GNU OpenMP runtimes in a process give wrong thread numbers)."""
+    import re
+
+    native.load()
+    with open("/proc/self/maps") as f:
+        gomp = {m for m in re.findall(r"\S*libgomp\S*", f.read())}
+    assert len(gomp) <= 1, gomp
+    if native.LDFLAGS:
+        assert {os.path.realpath(p) for p in gomp} == {os.path.realpath(native.LDFLAGS[0])}
+
+
 @pytest.mark.parametrize("name", list(NATIVE))
 def test_one_parallel_for_splits_without_changing_numbers(name):
     """With two intra-op threads a step is one ``at::parallel_for`` over every
