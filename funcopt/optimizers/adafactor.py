@@ -157,7 +157,7 @@ def adafactor(
     if _per_tensor(params):
         for j in range(len(params)):
             _adafactor_one(params[j], grads[j], row_vars[j], col_vars[j], variances[j], t[j], multi[j], lr,
-                           beta2_decay, eps1, eps2, d, weight_decay)
+                           beta2_decay, eps1, eps2, d, weight_decay, False)
         return
     weights = scalars([s ** beta2_decay for s in t])
     alphas: List[float] = []
@@ -221,11 +221,14 @@ def _per_tensor(params: List[Tensor]) -> bool:
 
 def _adafactor_one(p: Tensor, g: Tensor, row_var: Tensor, col_var: Tensor, variance: Tensor, t: float,
                    multi: bool, lr: float, beta2_decay: float, eps1: float, eps2: float, d: float,
-                   weight_decay: float) -> None:
+                   weight_decay: float, fma_update: bool) -> None:
     """One tensor's step: the ops of torch's foreach implementation for this
     tensor, in its order (each ``torch._foreach_*`` op on CPU runs the per-tensor
     op used here), so the numbers are the same; all passes over one tensor
-    run back to back while it is in cache.  ``g`` already negated for maximize."""
+    run back to back while it is in cache.  ``g`` already negated for maximize.
+    ``fma_update``: the last update as torch's for-loop writes it,
+    ``p.add_(u, alpha=scale)`` (one rounding), instead of the foreach
+    ``u.mul_(scale); p.add_(u)``; everything before it is the same op for op."""
     w = t ** beta2_decay
     rho = min(lr, 1 / (t ** 0.5))
     alpha = max(eps2, float(_norm(p).item()) / (p.numel() ** 0.5)) * rho
@@ -251,8 +254,12 @@ def _adafactor_one(p: Tensor, g: Tensor, row_var: Tensor, col_var: Tensor, varia
     v.clamp_min_(eps1 * eps1)
     v.rsqrt_()
     v.mul_(g)
-    v.mul_(-alpha / max(1.0, float(_norm(v).item()) / ((v.numel() ** 0.5) * d)))
-    p.add_(v)
+    scale = -alpha / max(1.0, float(_norm(v).item()) / ((v.numel() ** 0.5) * d))
+    if fma_update:
+        p.add_(v, alpha=scale)
+    else:
+        v.mul_(scale)
+        p.add_(v)
 
 
 def _adafactor_compiled(ps: List[Tensor], gs: List[Tensor], rvs: List[Tensor], cvs: List[Tensor],
@@ -299,34 +306,14 @@ def adafactor_single(
     weight_decay: float,
     maximize: bool,
 ) -> None:
-    """torch's per-tensor formula (``foreach=False``), ``steps`` already bumped."""
+    """torch's per-tensor formula (``foreach=False``), ``steps`` already bumped: the
+    foreach formula's per-tensor step (:func:`_adafactor_one`) but for the last
+    update, which torch's for-loop writes with one rounding."""
     for i in range(len(params)):
-        param = params[i]
         grad = grads[i] if not maximize else -grads[i]
-        e1 = _machine_eps(param.dtype) if eps1 is None else eps1
-        step_float = float(steps[i].item())
-        one_minus_beta2_t = step_float ** beta2_decay
-        rho_t = min(lr, 1 / (step_float ** 0.5))
-        alpha = max(eps2, float(_norm(param).item()) / (param.numel() ** 0.5)) * rho_t
-        if weight_decay != 0:
-            param.mul_(1 - lr * weight_decay)
-        if grad.dim() > 1:
-            row_var = row_vars[i]
-            col_var = col_vars[i]
-            row_mean = _line_norm(grad, -1).square_().div_(grad.size(-1))
-            row_var.lerp_(row_mean, one_minus_beta2_t)
-            col_mean = _col_norm(grad).square_().div_(grad.size(-2))
-            col_var.lerp_(col_mean, one_minus_beta2_t)
-            var_estimate = torch.matmul(row_var, col_var)
-            var_estimate.div_(row_var.mean([-2], True).clamp_(min=e1))
-        else:
-            variance = variances[i]
-            variance.lerp_(grad * grad, one_minus_beta2_t)
-            var_estimate = variance.clone()
-        update = var_estimate.clamp_(min=e1 * e1).rsqrt_()
-        update.mul_(grad)
-        denom = max(1.0, float(_norm(update).item()) / ((update.numel() ** 0.5) * d))
-        param.add_(update, alpha=-alpha / denom)
+        e1 = _machine_eps(params[i].dtype) if eps1 is None else eps1
+        _adafactor_one(params[i], grad, row_vars[i], col_vars[i], variances[i], float(steps[i].item()),
+                       grad.dim() > 1, lr, beta2_decay, e1, eps2, d, weight_decay, True)
 
 
 def _eps1(h: Dict[str, float]) -> Optional[float]:

@@ -87,3 +87,33 @@ def test_steps_match_torch_on_large_shapes(scripted, big, kw):
         for k in ("row_var", "col_var", "variance"):
             if k in to.state[b]:
                 assert torch.equal(fo.state[a][k], to.state[b][k]), k
+
+
+@pytest.mark.parametrize("maximize,weight_decay", [(False, 0.0), (True, 0.1)])
+def test_single_formula_is_torch_for_loop_bitwise(maximize, weight_decay):
+    """``adafactor_single`` (the kernel's per-tensor formula, the foreach step of one tensor
+    with the for-loop's one-rounding update) gives ``torch.optim.Adafactor(foreach=False)``'s
+    numbers bitwise, matrices and vectors, over several steps."""
+    from funcopt.optimizers.adafactor import adafactor_single
+
+    g0 = torch.Generator().manual_seed(3)
+    shapes = [(6, 5), (7,), (2, 3, 4)]
+    init = [torch.randn(s, generator=g0) for s in shapes]
+    grads = [[torch.randn(s, generator=g0) for s in shapes] for _ in range(4)]
+    tp = [p.clone() for p in init]
+    topt = torch.optim.Adafactor(tp, lr=0.02, weight_decay=weight_decay, maximize=maximize, foreach=False)
+    ps = [p.clone() for p in init]
+    rows = [torch.zeros(s[:-1] + (1,)) if len(s) > 1 else torch.empty(0) for s in shapes]
+    cols = [torch.zeros(s[:-2] + (1, s[-1])) if len(s) > 1 else torch.empty(0) for s in shapes]
+    variances = [torch.zeros(s) if len(s) < 2 else torch.empty(0) for s in shapes]
+    steps = [torch.tensor(0.0) for _ in shapes]
+    for gs in grads:
+        for p, g in zip(tp, gs):
+            p.grad = g.clone()
+        topt.step()
+        for s in steps:
+            s.add_(1)
+        adafactor_single(ps, [g.clone() for g in gs], rows, cols, variances, steps, 0.02, -0.8, None, 1e-3,
+                         1.0, weight_decay, maximize)
+    for a, b in zip(ps, tp):
+        assert torch.equal(a, b), (a - b).abs().max()
