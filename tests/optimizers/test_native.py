@@ -475,3 +475,12 @@ def test_compiled_step_is_one_op_and_equals_eager(name):
         ob.step(gs)
     for p, q in zip(a, b):
         assert torch.equal(p, q)
+
+
+def test_native_bucket_agrees_with_native_dtypes():
+    """The scripted core's ``native_bucket`` (TorchScript cannot read the Python tuple) takes
+    exactly ``funcopt.native.NATIVE_DTYPES`` on the CPU."""
+    from funcopt.optimizers._core import native_bucket
+
+    for dt in (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.int64):
+        assert native_bucket(torch.empty(0, dtype=dt)) == (dt in native.NATIVE_DTYPES), dt
