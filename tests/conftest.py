@@ -160,6 +160,9 @@ REST = [
      "for one world size); the default tier's W=2 and W=4 shard unevenly too (70, 45 and 18 elements at W=4 "
      "are padded: test_zero3 test_chunks_are_one_over_world[4]) and W=2 loads W=4's checkpoint across unaligned "
      "chunk boundaries (test_zero3_checkpoint test_save_w4_load_and_continue[...-2])"),
+    (r"tests/optimizers/test_native\.py::test_killed_build_then_two_concurrent_builders",
+     "three builds of the native library in fresh processes (~60-90 s on 2 cores); the default tier builds "
+     "it once and tests the fallback with a broken compiler (test_native)"),
     (r"tests/embed/",
      "compiles a libtorch C++ program (~20 s); the default tier loads saved train steps in a Python process "
      "that never imports funcopt (test_script, test_native)"),

@@ -484,3 +484,33 @@ def test_native_bucket_agrees_with_native_dtypes():
 
     for dt in (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.int64):
         assert native_bucket(torch.empty(0, dtype=dt)) == (dt in native.NATIVE_DTYPES), dt
+
+
+def _builder(cache: pathlib.Path, code: str) -> "subprocess.Popen[str]":
+    env = dict(os.environ, FUNCOPT_CACHE_DIR=str(cache))
+    env.pop("FUNCOPT_NATIVE", None)
+    return subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def test_killed_build_then_two_concurrent_builders(tmp_path):
+    """A build SIGKILLed in the middle leaves no library in place (it compiles in a private
+    directory, renamed into place only when done); two processes that then build into the
+    same empty cache at once both load the same, complete library."""
+    import time
+
+    p = _builder(tmp_path, "from funcopt import native; native.build()")
+    deadline = time.monotonic() + 60
+    while not list(tmp_path.glob("*/build-*")) and time.monotonic() < deadline and p.poll() is None:
+        time.sleep(0.1)
+    time.sleep(2.0)  # the compiler is running
+    p.kill()
+    p.wait(timeout=30)
+    assert not list(tmp_path.glob("*/funcopt_native.so"))
+    code = ("from funcopt import native; p = native.load(); assert p is not None, native.status(); "
+            "import torch; assert torch.ops.funcopt.parallel_width(1) == 1; print(p)")
+    procs = [_builder(tmp_path, code) for _ in range(2)]
+    outs = [q.communicate(timeout=240)[0] for q in procs]
+    assert [q.returncode for q in procs] == [0, 0], outs
+    paths = {o.strip().splitlines()[-1] for o in outs}
+    assert len(paths) == 1 and pathlib.Path(paths.pop()).is_file(), outs
