@@ -85,6 +85,22 @@ def _build_parser() -> argparse.ArgumentParser:
                            "trainer processes, checked against a local run")
     demo.add_argument("--trainers", type=int, default=None,
                       help="with --rpc: trainer processes to spawn (default: 2); under torchrun every rank but 0")
+    demo.add_argument("--fsdp2", action="store_true",
+                      help="train sharded with torch's FSDP2 (fully_shard) and a funcopt optimizer, like --zero")
+    demo.add_argument("--optimizer", choices=("adam", "adafactor"), default="adam",
+                      help="with --zero 1|2 or --fsdp2: the algorithm (default: adam; adafactor needs whole "
+                           "parameters: greedy ZeRO placement, gathered under FSDP2)")
+    demo.add_argument("--lr-schedule", choices=("constant", "cosine"), default="constant",
+                      help="with --zero/--fsdp2: constant, or CosineAnnealingLR over --steps (default: constant)")
+    demo.add_argument("--checkpoint-dir", default=None,
+                      help="with --zero/--fsdp2: save here every --checkpoint-every steps and resume from the "
+                           "newest good save when started again (funcopt.distributed.Checkpointer)")
+    demo.add_argument("--checkpoint-every", type=int, default=None,
+                      help="with --checkpoint-dir: steps between saves (default: 10)")
+    demo.add_argument("--checkpoint-keep", type=int, default=None,
+                      help="with --checkpoint-dir: saves kept (default: 2)")
+    demo.add_argument("--events", default=None, help=argparse.SUPPRESS)  # benchmarks/chaos.py: JSON-lines log
+    demo.add_argument("--chaos-plan", default=None, help=argparse.SUPPRESS)  # benchmarks/chaos.py: kills to inject
     demo.set_defaults(func=_cmd_demo)
 
     bench = sub.add_parser(
@@ -130,13 +146,29 @@ def demo_problem(args: argparse.Namespace) -> Optional[str]:
 
     if args.rpc and args.zero is not None:
         return "--rpc and --zero are separate demos; pass one of them"
-    if args.world_size is not None and args.zero is None:
+    if args.world_size is not None and args.zero is None and not args.fsdp2:
         return "--world-size is for --zero; --rpc takes --trainers" if args.rpc else "--world-size needs --zero"
     if args.trainers is not None and not args.rpc:
         return "--trainers is for --rpc"
     if getattr(args, "overlap", False) and args.zero != 1:
         return "--overlap is for --zero 1 (ZeRO-1 with DDP)"
-    for name in ("steps", "batch_size", "threads", "world_size", "trainers"):
+    sharded = args.zero is not None or args.fsdp2
+    if args.fsdp2 and (args.zero is not None or args.rpc):
+        return "--fsdp2 is its own demo; pass it without --zero and --rpc"
+    for flag, value, default in (("--optimizer", args.optimizer, "adam"), ("--lr-schedule", args.lr_schedule, "constant"),
+                                 ("--checkpoint-dir", args.checkpoint_dir, None), ("--events", args.events, None),
+                                 ("--chaos-plan", args.chaos_plan, None)):
+        if value != default and not sharded:
+            return f"{flag} is for --zero 1|2|3 and --fsdp2"
+    if args.optimizer == "adafactor" and args.zero == 3:
+        return ("--optimizer adafactor needs each parameter whole, and ZeRO-3 steps flat chunks of several "
+                "parameters; use --zero 1|2 or --fsdp2")
+    for flag, value in (("--checkpoint-every", args.checkpoint_every), ("--checkpoint-keep", args.checkpoint_keep)):
+        if value is not None and args.checkpoint_dir is None:
+            return f"{flag} needs --checkpoint-dir"
+    if args.checkpoint_dir is not None and getattr(args, "overlap", False):
+        return "--overlap and --checkpoint-dir do not go together (the overlapped copy is not checkpointed)"
+    for name in ("steps", "batch_size", "threads", "world_size", "trainers", "checkpoint_every", "checkpoint_keep"):
         value = getattr(args, name)
         if value is not None and value < 1:
             return f"--{name.replace('_', '-')} must be at least 1, got {value}"
@@ -151,7 +183,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     if problem:  # before anything is spawned: one line, exit 2
         return _fail(problem)
     if args.steps is None:
-        args.steps = 40 if args.rpc else 100 if args.zero is not None else 200
+        args.steps = 40 if args.rpc else 100 if args.zero is not None or args.fsdp2 else 200
     if args.batch_size is None:
         args.batch_size = 64 if args.rpc else 256
     if args.rpc:
@@ -161,7 +193,10 @@ def _cmd_demo(args: argparse.Namespace) -> int:
                                 batch_size=args.batch_size, lr=args.lr, seed=args.seed, threads=args.threads or 1,
                                 rpc_timeout=60.0, timeout=600.0, no_progress=args.no_progress)
         return rpc.run(ns)
-    if args.zero is not None:
+    if args.checkpoint_dir is not None:
+        args.checkpoint_every = args.checkpoint_every or 10
+        args.checkpoint_keep = args.checkpoint_keep or 2
+    if args.zero is not None or args.fsdp2:
         return _demo_zero(args)
     from .demos import local
 

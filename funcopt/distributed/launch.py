@@ -157,6 +157,16 @@ def _setup(backend: Optional[str], rank: int, world: int, init: str, timeout: fl
         opts = rpc.TensorPipeRpcBackendOptions(init_method=init, rpc_timeout=timeout)
         rpc.init_rpc(rpc_name(rank), rank=rank, world_size=world, rpc_backend_options=opts)
         return
+    if init == "env://" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # torchrun's agent keeps one store across restarts: keys the ranks of an earlier attempt
+        # left there (their gloo addresses) would be read as this attempt's, and the new ranks
+        # would connect to dead peers (seen: connection refused, or a hang).  One namespace per attempt.
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                              timeout=datetime.timedelta(seconds=timeout))
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        dist.init_process_group(backend, store=dist.PrefixStore(f"funcopt/attempt_{attempt}", store), rank=rank,
+                                world_size=world, timeout=datetime.timedelta(seconds=timeout))
+        return
     dist.init_process_group(backend, init_method=init, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=timeout))
 

@@ -37,7 +37,6 @@ with DCP's own ``dcp_to_torch_save`` plus :func:`to_torch_state_dict`.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -48,12 +47,15 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.profiler import record_function
 
 from .. import _comm
 from .._comm import DistributedError
+from .._files import FAILURES as _FAILURES
+from .._files import failure_text as _what
+from .._files import fsync_dir as _fsync_dir
+from .._files import hash_file as _hash
 from . import _ckpt3, _ckpt12
 
 FORMAT = _ckpt12.FORMAT
@@ -65,20 +67,9 @@ TMP_PREFIX = ".tmp-save-"
 _ID = re.compile(r"^[0-9a-f]{32}$")
 _FILE = re.compile(r"^(\.metadata|__\d+_\d+\.distcp)$")
 _MAX_RECORD = 64 << 20
-# DCP's CheckpointException (every rank's failures, raised on every rank) is a BaseException
-_FAILURES = (Exception, CheckpointException)
 
 
 # ------------------------------------------------------------------ helpers
-def _what(e: BaseException) -> str:
-    failures = getattr(e, "failures", None)  # DCP's CheckpointException: {rank: WrappedException}
-    if isinstance(failures, dict) and failures:
-        excs = {r: (w[0] if isinstance(w, tuple) else getattr(w, "exc", w)) for r, w in failures.items()}
-        inner = "; ".join(f"rank {r}: {type(x).__name__}: {x}" for r, x in sorted(excs.items()))
-        return f"torch.distributed.checkpoint failed ({inner})"[:2000]
-    return f"{type(e).__name__}: {e}"[:2000]
-
-
 def _agree(group: Any, error: Optional[str], what: str, value: Any = None) -> List[Any]:
     """Collective: every rank's ``value``; ``DistributedError`` on every rank, with the
     same message, if any rank has an ``error``.  Call on every rank."""
@@ -87,25 +78,6 @@ def _agree(group: Any, error: Optional[str], what: str, value: Any = None) -> Li
     if bad:
         raise DistributedError(f"{what} failed on {len(bad)} of {len(got)} ranks: " + "; ".join(bad))
     return [v for _, v in got]
-
-
-def _hash(file: str, sync: bool = False) -> Dict[str, Any]:
-    h, size = hashlib.sha256(), 0
-    with open(file, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-            size += len(block)
-        if sync:
-            os.fsync(fh.fileno())
-    return {"size": size, "sha256": h.hexdigest()}
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class _Meshes:
@@ -394,6 +366,53 @@ def load_sharded(obj: Any, path: str, optimizer: Any = None) -> None:
 
 
 _KIND = {FORMAT: "ZeRO-1/2 optimizer", FORMAT3: "ZeRO-3 model"}
+
+
+# ------------------------------------------------------- for other writers
+class ShardedPart:
+    """A ZeRO object's shards in one DCP directory, for a writer that publishes saves
+    itself (:class:`funcopt.distributed.Checkpointer`): the same pieces and checks as
+    :func:`save_sharded` / :func:`load_sharded`, without their commit record.
+
+    ``write`` and ``read`` are collective and raise where they fail (DCP raises its
+    failures on every rank); the caller agrees on errors and publishes.
+    """
+
+    def __init__(self, obj: Any, optimizer: Any = None):
+        self.target = _target(obj, optimizer)
+        self.format = self.target.format
+        self.process_group = self.target.process_group
+
+    def describe(self) -> Dict[str, Any]:
+        """What a load must match (JSON-friendly)."""
+        return dict(self.target.describe(), format=self.target.format)
+
+    def write(self, directory: str, save_id: str) -> None:
+        """Every rank writes its pieces under ``directory`` (one file per rank, synced)."""
+        sd = self.target.save_dict(_sharder(self.process_group))
+        if self.target.rank == 0:
+            sd.setdefault("funcopt", {}).update(format=self.target.format, save_id=save_id)
+        dcp.save(sd, storage_writer=FileSystemWriter(directory, single_file_per_rank=True, sync_files=True),
+                 process_group=self.process_group)
+
+    def read(self, directory: str, described: Dict[str, Any], save_id: str) -> Any:
+        """This rank's pieces from ``directory``, checked against ``described`` (what
+        :meth:`describe` gave at save time) and staged; nothing is changed until :meth:`commit`."""
+        if described.get("format") != self.target.format:
+            raise ValueError(f"the checkpoint holds a {_KIND.get(described.get('format'), described.get('format'))} "
+                             f"part, this is a {_KIND[self.target.format]}")
+        self.target.match(described)
+        metadata = FileSystemReader(directory).read_metadata()
+        request, ctx = self.target.request(metadata, _sharder(self.process_group))
+        request["funcopt.save_id"] = None
+        dcp.load(request, storage_reader=FileSystemReader(directory), process_group=self.process_group,
+                 planner=DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False))
+        if request.get("funcopt.save_id") != save_id:
+            raise ValueError(f"{directory} holds save {request.get('funcopt.save_id')!r}, expected {save_id!r}")
+        return self.target.stage(request, ctx)
+
+    def commit(self, staged: Any) -> None:
+        self.target.commit(staged)
 
 
 # ------------------------------------------------------------------ offline
