@@ -289,8 +289,8 @@ def _report(torch: Any, args: argparse.Namespace, world: int, full: Optional[Lis
     rel = abs(final - ref_final) / max(abs(ref_final), 1e-30)
     ok = rel <= RTOL and final == final
     label = "FSDP2" if getattr(args, "fsdp2", False) else f"ZeRO-{args.zero}"
-    print(f"final loss, {label} on {world} ranks:".ljust(44) + f"{final!r}")
-    print(f"final loss, torch.optim.{name} in 1 process:".ljust(44) + f"{ref_final!r}")
+    print(f"final loss, {label} on {world} ranks:".ljust(48) + f"{final!r}")
+    print(f"final loss, torch.optim.{name} in 1 process:".ljust(48) + f"{ref_final!r}")
     print(f"relative difference: {rel:.2e} (tolerance {RTOL:g}): {'OK' if ok else 'MISMATCH'}")
     if full is not None:
         max_diff = max((a - b.detach()).abs().max().item() for a, b in zip(full, ref_params))

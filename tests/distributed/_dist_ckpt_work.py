@@ -48,6 +48,12 @@ TRANSITIONS: List[Dict[str, Any]] = [
     dict(name="zero2-4to2", algo="Adam", save=4, load=2, save_stage=2),
     # a zero-element parameter (its state: empty tensors and a step)
     dict(name="empty-param-4to2", algo="Adam", save=4, load=2, model=dict(empty=True)),
+    # a whole-parameter rule (greedy placement): Adafactor's factored rows/columns are saved
+    # in their own shape by each parameter's owner and read whole by its new owner
+    dict(name="adafactor-greedy-4to2", algo="Adafactor", save=4, load=2, save_partition="greedy",
+         load_partition="greedy"),
+    dict(name="adafactor-greedy-1to4", algo="Adafactor", save=1, load=4, save_partition="greedy",
+         load_partition="greedy"),
 ]
 for _t in TRANSITIONS:
     _t.setdefault("model", {})

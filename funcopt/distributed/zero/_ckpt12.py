@@ -60,6 +60,8 @@ class ZeroShards:
             for name, t in entry.items():
                 if not isinstance(t, torch.Tensor) or t.dim() == 0:
                     out[name] = t  # replicated on every rank holding a piece of parameter i
+                elif start == 0 and length == numel and t.numel() != length:
+                    out[name] = t  # a whole parameter's own-shaped slot (Adafactor's rows/columns): its owner writes it
                 elif t.numel() != length:
                     raise ValueError(f"state '{name}' of parameter {i} has {t.numel()} elements, not one per "
                                      f"element of the parameter ({length} here): cannot be sharded")
@@ -95,9 +97,6 @@ class ZeroShards:
                 i = int(m.group(1))
                 if i >= len(params):
                     raise ValueError(f"checkpoint entry {key!r} names no parameter")
-                if isinstance(md, TensorStorageMetadata) and tuple(md.size) not in ((), (params[i].numel(),)):
-                    raise ValueError(f"checkpoint entry {key!r} has shape {tuple(md.size)}, expected () or "
-                                     f"({params[i].numel()},)")
                 saved.setdefault(i, {})[m.group(2)] = md
             elif _GROUP_KEY.match(key) or key.startswith("funcopt."):
                 if not isinstance(md, BytesStorageMetadata):
@@ -115,7 +114,14 @@ class ZeroShards:
                     request[key] = None
                     entry[name] = key
                     continue
-                if len(md.size) == 0 or p.numel() == 0:
+                if len(md.size) == 0 or p.numel() == 0 or tuple(md.size) != (p.numel(),):
+                    # 0-d, or a slot of its own shape, saved whole by the parameter's owner: read whole,
+                    # and only where this rank owns the parameter whole (a whole-parameter rule's placement)
+                    if len(md.size) > 0 and p.numel() > 0 and not (start == 0 and length == p.numel()):
+                        raise ValueError(f"checkpoint entry {key!r} has shape {tuple(md.size)}: a slot of its own "
+                                         f"shape, which needs parameter {param} whole on one rank (greedy "
+                                         f"partition), but this rank holds elements {start}..{start + length} of "
+                                         f"{p.numel()}")
                     buf = torch.empty(tuple(md.size), dtype=md.properties.dtype, device=p.device)
                     request[key] = buf
                 else:

@@ -87,8 +87,11 @@ class ShardState:
         return _pieces.local_pieces(self.segments, self.optim.state_dict()["state"])
 
     def flat_pieces(self) -> List[Piece]:
-        """:meth:`pieces` with every element tensor flattened to 1-D (0-d tensors kept)."""
-        return [(i, start, length, {n: (t.reshape(-1) if isinstance(t, Tensor) and t.dim() > 0 else t)
+        """:meth:`pieces` with every element tensor (one value per element of the piece)
+        flattened to 1-D; 0-d tensors and a whole piece's slots of their own shape
+        (Adafactor's factored rows and columns) kept as they are."""
+        return [(i, start, length, {n: (t.reshape(-1) if isinstance(t, Tensor) and t.dim() > 0
+                                        and t.numel() == length else t)
                                     for n, t in entry.items()})
                 for i, start, length, entry in self.pieces()]
 
