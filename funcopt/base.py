@@ -430,6 +430,13 @@ class Optimizer(torch.optim.Optimizer):
         """(Re)build the slots and core over the current ``param_groups``;
         ``carry`` maps ``id(param)`` to state (slot order) that carries over."""
         params = self._flat_params()
+        if self.whole_params and any(getattr(p, "funcopt_flat_chunk", False) for p in params):
+            # a ZeRO-3 chunk is this rank's range of several parameters laid end to end: a rule that
+            # needs each parameter whole would step it as one vector -- another algorithm, silently
+            raise TypeError(f"{type(self).__name__} needs each parameter whole, and a ZeRO-3 layer's "
+                            f"trainable chunk (Zero3Layer / Zero3Sequential / zero3) is a flat range of "
+                            f"several parameters: use ZeroRedundancyOptimizer (ZeRO-1/2, greedy placement) or "
+                            f"FSDP2 for {type(self).__name__}, or an elementwise rule with ZeRO-3")
         # DTensor parameters (FSDP2, tensor parallel): an elementwise rule steps their local shards
         self._dt = _dtensor.view_for(params, type(self).__name__, self.whole_params,
                                      any(g.get("differentiable") for g in self.param_groups))

@@ -166,3 +166,24 @@ def test_bad_arguments():
         W.Zero3Layer(nn.Linear(2, 2), grad_reduce="avg")
     with pytest.raises(TypeError, match="Zero3Layer"):
         W.Zero3Sequential([nn.Linear(2, 2)])
+
+
+def test_whole_parameter_rule_refuses_flat_chunks(tmp_path):
+    """A rule that needs each parameter whole (every registry entry with ``whole_params``:
+    Adafactor, Muon) refuses a ZeRO-3 chunk at construction, naming what to use instead:
+    the chunk is several parameters' elements end to end, stepped as one vector it would be
+    another algorithm.  An elementwise rule (Adam) takes it.  A 1-rank gloo group."""
+    from funcopt.registry import REGISTRY
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rdv'}", rank=0, world_size=1)
+    try:
+        layer = W.Zero3Layer(nn.Linear(4, 3))
+        chunk = list(layer.parameters())
+        whole = [name for name, spec in REGISTRY.items() if spec.whole_params]
+        assert whole, "the registry names no whole-parameter rule"
+        for name in whole:
+            with pytest.raises(TypeError, match=rf"{name} needs each parameter whole.*ZeRO-3.*ZeroRedundancyOptimizer"):
+                REGISTRY[name].cls(chunk)
+        REGISTRY["Adam"].cls(chunk)  # elementwise: fine
+    finally:
+        dist.destroy_process_group()

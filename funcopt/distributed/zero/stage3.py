@@ -203,6 +203,8 @@ class Zero3Layer(nn.Module):
         self.frozen_chunk: Optional[nn.Parameter]
         if ct:
             self.trainable_chunk = nn.Parameter(t.clone(), requires_grad=True)
+            # several parameters' elements: a funcopt rule that needs each parameter whole refuses it
+            self.trainable_chunk.funcopt_flat_chunk = True  # type: ignore[attr-defined]
         else:
             self.register_parameter("trainable_chunk", None)
         if cf:
