@@ -412,6 +412,7 @@ class ShardedPart:
         return self.target.stage(request, ctx)
 
     def commit(self, staged: Any) -> None:
+        """Apply what :meth:`read` staged.  Local."""
         self.target.commit(staged)
 
 
