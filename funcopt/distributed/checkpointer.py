@@ -148,6 +148,17 @@ def _load_pt(file: str) -> Any:
     return torch.load(file, map_location="cpu", weights_only=True)
 
 
+def _check_loadable(file: str) -> None:
+    """Raise now if ``resume`` could not load ``file`` back (``weights_only``): a value in
+    ``extra`` (or the scheduler's state) that is not plain, e.g. a numpy scalar."""
+    try:
+        _load_pt(file)
+    except Exception as e:
+        why = [ln.strip() for ln in str(e).splitlines() if "Unsupported global" in ln] or [f"{type(e).__name__}: {e}"]
+        raise TypeError(f"extra (or the scheduler's state) holds a value resume could not load; plain values only "
+                        f"(numbers, strings, lists, dicts, tensors): {why[0][:300]}") from None
+
+
 def read_record(save_dir: str) -> Dict[str, Any]:
     """The record of the save in ``save_dir``, checked for shape (``ValueError`` if bad).  Local."""
     file = os.path.join(save_dir, RECORD)
@@ -393,6 +404,7 @@ class Checkpointer:
                         _save_pt(self._rank_state(), os.path.join(tmp, f"rank-{rank}.pt"))
                         if rank == 0:
                             _save_pt(self._train_state(), os.path.join(tmp, "train.pt"))
+                            _check_loadable(os.path.join(tmp, "train.pt"))
                         files = self._own_files(tmp)
                         self._phase("save-written", step)
                     except FAILURES as e:
