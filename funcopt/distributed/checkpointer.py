@@ -38,6 +38,7 @@ local disk for one machine, a shared file system across machines).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -45,7 +46,7 @@ import re
 import shutil
 import uuid
 import warnings
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -97,6 +98,15 @@ def _agree(group: Any, error: Optional[str], what: str, value: Any = None) -> Li
     if bad:
         raise DistributedError(f"{what} failed on {len(bad)} of {len(got)} ranks: " + "; ".join(bad))
     return [v for _, v in got]
+
+
+@contextlib.contextmanager
+def _one_process_quiet() -> Iterator[None]:
+    """Without a process group DCP warns that it assumes one process: that is what we mean."""
+    with warnings.catch_warnings():
+        if not (dist.is_available() and dist.is_initialized()):
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
 
 
 def _save_pt(obj: Any, file: str) -> None:
@@ -397,10 +407,11 @@ class Checkpointer:
                         if self._sharded is not None:
                             self._sharded.write(os.path.join(tmp, "sharded"), save_id)
                         if self._with_state:
-                            dcp.save(self._state_dicts(),
-                                     storage_writer=FileSystemWriter(os.path.join(tmp, "state"),
-                                                                     single_file_per_rank=True, sync_files=True),
-                                     process_group=group)
+                            with _one_process_quiet():
+                                dcp.save(self._state_dicts(),
+                                         storage_writer=FileSystemWriter(os.path.join(tmp, "state"),
+                                                                         single_file_per_rank=True, sync_files=True),
+                                         process_group=group)
                         _save_pt(self._rank_state(), os.path.join(tmp, f"rank-{rank}.pt"))
                         if rank == 0:
                             _save_pt(self._train_state(), os.path.join(tmp, "train.pt"))
@@ -558,8 +569,9 @@ class Checkpointer:
                 state = None
                 if self._with_state:  # loaded into copies: a load that fails below changes nothing
                     state = _copies(self._state_dicts())
-                    dcp.load(state, storage_reader=FileSystemReader(os.path.join(save_dir, "state")),
-                             process_group=group)
+                    with _one_process_quiet():
+                        dcp.load(state, storage_reader=FileSystemReader(os.path.join(save_dir, "state")),
+                                 process_group=group)
                 train = _load_pt(os.path.join(save_dir, "train.pt"))
                 own = os.path.join(save_dir, f"rank-{rank % rec['world_size']}.pt")
                 mine = _load_pt(own)
