@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
-from typing import Any, Dict
+import re
+from typing import Any, Callable, Dict, Pattern, Tuple
 
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -40,3 +42,38 @@ def fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+MAX_RECORD = 64 << 20
+SAVE_ID = re.compile(r"^[0-9a-f]{32}$")
+
+
+def read_record_file(file: str) -> Tuple[Dict[str, Any], Callable[[bool, str], None]]:
+    """A JSON commit record and its ``need(cond, what)`` checker (``ValueError`` naming the file
+    when ``cond`` is false); the shared checks (an object, a save id, a world size) done."""
+    if os.path.getsize(file) > MAX_RECORD:
+        raise ValueError(f"malformed commit record {file}: too large")
+    try:
+        with open(file, "rb") as fh:
+            rec = json.loads(fh.read().decode("utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"malformed commit record {file}: {e}") from None
+
+    def need(cond: bool, what: str) -> None:
+        if not cond:
+            raise ValueError(f"malformed commit record {file}: {what}")
+
+    need(isinstance(rec, dict), "not an object")
+    need(isinstance(rec.get("save_id"), str) and bool(SAVE_ID.match(rec["save_id"])), "bad save_id")
+    need(isinstance(rec.get("world_size"), int) and rec["world_size"] >= 1, "bad world_size")
+    return rec, need
+
+
+def check_file_entries(files: Any, names: Pattern[str], required: str, need: Callable[[bool, str], None]) -> None:
+    """A record's ``files``: ``{name: {"size": int, "sha256": str}}``, names matching ``names``,
+    ``required`` among them."""
+    need(isinstance(files, dict) and required in files, "bad files")
+    for name, info in files.items():
+        need(isinstance(name, str) and bool(names.match(name)), f"bad file name {name!r}")
+        need(isinstance(info, dict) and isinstance(info.get("size"), int) and isinstance(info.get("sha256"), str),
+             f"bad entry for {name!r}")

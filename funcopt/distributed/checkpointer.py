@@ -53,7 +53,7 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from ._comm import DistributedError
-from ._files import FAILURES, failure_text, fsync_dir, hash_file
+from ._files import FAILURES, check_file_entries, failure_text, fsync_dir, hash_file, read_record_file
 
 FORMAT = "funcopt-checkpointer-v1"
 RECORD = "COMMIT.json"
@@ -63,7 +63,6 @@ TRASH_PREFIX = ".trash-"
 REJECTED_PREFIX = "rejected-"
 _STEP_DIR = re.compile(r"^step-(\d{9,})$")
 _FILE = re.compile(r"^((sharded|state)/(\.metadata|__\d+_\d+\.distcp)|train\.pt|rank-\d+\.pt)$")
-_MAX_RECORD = 64 << 20
 
 # The moments a save passes through, in order (``on_phase`` sees each; "save-recorded" and
 # "save-removing" only on rank 0, which alone commits and prunes; "save-removing" only
@@ -174,31 +173,12 @@ def read_record(save_dir: str) -> Dict[str, Any]:
     file = os.path.join(save_dir, RECORD)
     if not os.path.isfile(file):
         raise ValueError(f"{save_dir} has no {RECORD}")
-    if os.path.getsize(file) > _MAX_RECORD:
-        raise ValueError(f"malformed record {file}: too large")
-    try:
-        with open(file, "rb") as fh:
-            rec = json.loads(fh.read().decode("utf-8"))
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ValueError(f"malformed record {file}: {e}") from None
-
-    def need(cond: bool, what: str) -> None:
-        if not cond:
-            raise ValueError(f"malformed record {file}: {what}")
-
-    need(isinstance(rec, dict), "not an object")
+    rec, need = read_record_file(file)
     need(rec.get("format") == FORMAT, f"format {rec.get('format')!r}, expected {FORMAT!r}")
     need(isinstance(rec.get("step"), int) and rec["step"] >= 0, "bad step")
-    need(isinstance(rec.get("save_id"), str) and bool(re.match(r"^[0-9a-f]{32}$", rec["save_id"])), "bad save_id")
-    need(isinstance(rec.get("world_size"), int) and rec["world_size"] >= 1, "bad world_size")
     need(rec.get("sharded") is None or isinstance(rec["sharded"], dict), "bad sharded")
     need(isinstance(rec.get("state"), bool), "bad state")
-    files = rec.get("files")
-    need(isinstance(files, dict) and "train.pt" in files, "bad files")
-    for name, info in files.items():
-        need(isinstance(name, str) and bool(_FILE.match(name)), f"bad file name {name!r}")
-        need(isinstance(info, dict) and isinstance(info.get("size"), int) and isinstance(info.get("sha256"), str),
-             f"bad entry for {name!r}")
+    check_file_entries(rec.get("files"), _FILE, "train.pt", need)
     return rec
 
 

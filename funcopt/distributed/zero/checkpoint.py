@@ -56,6 +56,7 @@ from .._files import FAILURES as _FAILURES
 from .._files import failure_text as _what
 from .._files import fsync_dir as _fsync_dir
 from .._files import hash_file as _hash
+from .._files import check_file_entries, read_record_file
 from . import _ckpt3, _ckpt12
 
 FORMAT = _ckpt12.FORMAT
@@ -64,9 +65,7 @@ _FORMATS = {FORMAT: _ckpt12.check_record, FORMAT3: _ckpt3.check_record}
 COMMIT = "COMMIT.json"
 SAVE_PREFIX = "save-"
 TMP_PREFIX = ".tmp-save-"
-_ID = re.compile(r"^[0-9a-f]{32}$")
 _FILE = re.compile(r"^(\.metadata|__\d+_\d+\.distcp)$")
-_MAX_RECORD = 64 << 20
 
 
 # ------------------------------------------------------------------ helpers
@@ -247,30 +246,11 @@ def read_record(path: str) -> Dict[str, Any]:
             raise ValueError(f"{path} holds an old-format (funcopt-zero-sharded-v1) checkpoint, "
                              f"which has no commit record; re-save it with this version")
         raise ValueError(f"no committed save at {path} (missing {COMMIT})")
-    if os.path.getsize(file) > _MAX_RECORD:
-        raise ValueError(f"malformed commit record {file}: too large")
-    try:
-        with open(file, "rb") as fh:
-            rec = json.loads(fh.read().decode("utf-8"))
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ValueError(f"malformed commit record {file}: {e}") from None
-
-    def need(cond: bool, what: str) -> None:
-        if not cond:
-            raise ValueError(f"malformed commit record {file}: {what}")
-
-    need(isinstance(rec, dict), "not an object")
+    rec, need = read_record_file(file)
     need(rec.get("format") in _FORMATS, f"format {rec.get('format')!r}, expected one of {sorted(_FORMATS)}")
-    need(isinstance(rec.get("save_id"), str) and bool(_ID.match(rec["save_id"])), "bad save_id")
     need(rec.get("dir") == SAVE_PREFIX + rec["save_id"], "dir does not name the save")
-    need(isinstance(rec.get("world_size"), int) and rec["world_size"] >= 1, "bad world_size")
     _FORMATS[rec["format"]](rec, need)
-    files = rec.get("files")
-    need(isinstance(files, dict) and ".metadata" in files, "bad files")
-    for name, info in files.items():
-        need(isinstance(name, str) and bool(_FILE.match(name)), f"bad file name {name!r}")
-        need(isinstance(info, dict) and isinstance(info.get("size"), int) and isinstance(info.get("sha256"), str),
-             f"bad entry for {name!r}")
+    check_file_entries(rec.get("files"), _FILE, ".metadata", need)
     return rec
 
 
