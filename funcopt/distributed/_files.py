@@ -5,7 +5,7 @@ import hashlib
 import json
 import os
 import re
-from typing import Any, Callable, Dict, Pattern, Tuple
+from typing import Any, Callable, Dict, List, Pattern, Sequence, Tuple
 
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -77,3 +77,24 @@ def check_file_entries(files: Any, names: Pattern[str], required: str, need: Cal
         need(isinstance(name, str) and bool(names.match(name)), f"bad file name {name!r}")
         need(isinstance(info, dict) and isinstance(info.get("size"), int) and isinstance(info.get("sha256"), str),
              f"bad entry for {name!r}")
+
+
+def check_files(save_dir: str, present: List[str], files: Dict[str, Dict[str, Any]], rank: int, world: int,
+                also: Sequence[str] = ()) -> None:
+    """The files of a save against its record: ``present`` (what ``save_dir`` holds) exactly the
+    record's, each of the recorded size; the checksums of this rank's share (``rank::world``)
+    and of ``also``.  ``ValueError`` naming the first file that differs."""
+    if sorted(present) != sorted(files):
+        extra, missing = sorted(set(present) - set(files)), sorted(set(files) - set(present))
+        raise ValueError(f"{save_dir} does not match its commit record (missing {missing}, unexpected {extra})")
+    for name, info in files.items():
+        size = os.path.getsize(os.path.join(save_dir, name))
+        if size != info["size"]:
+            raise ValueError(f"{os.path.join(save_dir, name)} has {size} bytes, the commit record says {info['size']} "
+                             f"(truncated, or from another save)")
+    names = sorted(files)
+    for name in list(names[rank::world]) + [n for n in also if n not in names[rank::world]]:
+        got = hash_file(os.path.join(save_dir, name))
+        if got["sha256"] != files[name]["sha256"]:
+            raise ValueError(f"{os.path.join(save_dir, name)} does not match the commit record "
+                             f"(checksum differs: edited, or from another save)")

@@ -53,7 +53,8 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from ._comm import DistributedError
-from ._files import FAILURES, check_file_entries, failure_text, fsync_dir, hash_file, read_record_file
+from ._files import (FAILURES, check_file_entries, check_files, failure_text, fsync_dir, hash_file,
+                     read_record_file)
 
 FORMAT = "funcopt-checkpointer-v1"
 RECORD = "COMMIT.json"
@@ -194,19 +195,7 @@ def verify(save_dir: str, rank: int = 0, world: int = 1) -> Dict[str, Any]:
     """Check the save in ``save_dir`` against its record: every file present with its size,
     and the checksums of this rank's share (``rank::world``; offline: all).  Its record."""
     rec = read_record(save_dir)
-    present = [n for n in _listing(save_dir) if n != RECORD]
-    if present != sorted(rec["files"]):
-        extra, missing = sorted(set(present) - set(rec["files"])), sorted(set(rec["files"]) - set(present))
-        raise ValueError(f"{save_dir} does not match its record (missing {missing}, unexpected {extra})")
-    for name, info in rec["files"].items():
-        size = os.path.getsize(os.path.join(save_dir, name))
-        if size != info["size"]:
-            raise ValueError(f"{os.path.join(save_dir, name)} has {size} bytes, the record says {info['size']}")
-    names = sorted(rec["files"])
-    for name in names[rank::world]:
-        got = hash_file(os.path.join(save_dir, name))
-        if got["sha256"] != rec["files"][name]["sha256"]:
-            raise ValueError(f"{os.path.join(save_dir, name)} does not match its checksum in the record")
+    check_files(save_dir, [n for n in _listing(save_dir) if n != RECORD], rec["files"], rank, world)
     return rec
 
 

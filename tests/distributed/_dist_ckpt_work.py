@@ -222,7 +222,7 @@ class Worker:
                 fh.write(os.urandom(3000))
             with open(os.path.join(d, COMMIT)) as fh:
                 files = json.load(fh)["files"]
-            from funcopt.distributed.zero.checkpoint import _hash
+            from funcopt.distributed._files import hash_file as _hash
             files["__1_0.distcp"] = _hash(file_of(d, "__1_0.distcp"))
             edit_record(d, files=files)
             d = copy_of("bogus-record")

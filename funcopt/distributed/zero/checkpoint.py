@@ -56,7 +56,7 @@ from .._files import FAILURES as _FAILURES
 from .._files import failure_text as _what
 from .._files import fsync_dir as _fsync_dir
 from .._files import hash_file as _hash
-from .._files import check_file_entries, read_record_file
+from .._files import check_file_entries, check_files, read_record_file
 from . import _ckpt3, _ckpt12
 
 FORMAT = _ckpt12.FORMAT
@@ -254,33 +254,14 @@ def read_record(path: str) -> Dict[str, Any]:
     return rec
 
 
-def _check_file(save_dir: str, name: str, info: Dict[str, Any]) -> None:
-    got = _hash(os.path.join(save_dir, name))
-    if got != {"size": info["size"], "sha256": info["sha256"]}:
-        raise ValueError(f"{os.path.join(save_dir, name)} does not match the commit record "
-                         f"(size {got['size']} vs {info['size']}, checksum differs: edited, or from another save)")
-
-
 def _verify(path: str, rank: int, world: int) -> Tuple[Dict[str, Any], str]:
     """Check the record and the files it names: sizes everywhere, checksums split over ranks."""
     rec = read_record(path)
     save_dir = os.path.join(path, rec["dir"])
     if not os.path.isdir(save_dir):
         raise ValueError(f"the committed save {save_dir} is missing")
-    present = sorted(os.listdir(save_dir))
-    if present != sorted(rec["files"]):
-        extra, missing = sorted(set(present) - set(rec["files"])), sorted(set(rec["files"]) - set(present))
-        raise ValueError(f"{save_dir} does not match its commit record (missing {missing}, unexpected {extra})")
-    for name, info in rec["files"].items():
-        size = os.path.getsize(os.path.join(save_dir, name))
-        if size != info["size"]:
-            raise ValueError(f"{os.path.join(save_dir, name)} has {size} bytes, the commit record says {info['size']} "
-                             f"(truncated, or from another save)")
-    names = sorted(rec["files"])
-    for name in names[rank::world]:
-        _check_file(save_dir, name, rec["files"][name])
-    if ".metadata" not in names[rank::world]:
-        _check_file(save_dir, ".metadata", rec["files"][".metadata"])  # every rank unpickles it next
+    # every rank checksums .metadata: it unpickles it next
+    check_files(save_dir, os.listdir(save_dir), rec["files"], rank, world, also=(".metadata",))
     return rec, save_dir
 
 
