@@ -25,6 +25,7 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 import funcopt
 from funcopt.distributed import (Checkpointer, CheckpointWarning, DistributedError, Zero3Layer, Zero3Sequential,
@@ -37,7 +38,9 @@ HYPER = dict(lr=0.02, weight_decay=0.01)
 KILL_AT = 4  # the save that is killed (the one before: step 2)
 TOTAL = 6    # the resumed jobs train to here
 WS_SAVE, WS_MORE = 3, 2  # world-size change: save after 3 steps, then 2 more
-WS_KINDS = ("zero2", "zero3", "fsdp2")
+# plain DDP with a scripted funcopt optimizer (torch's get_state_dict path, replicated state), and a
+# whole-parameter rule (Adafactor: factored rows/columns) sharded greedily by ZeRO-1 and gathered by FSDP2
+WS_KINDS = ("zero2", "zero3", "fsdp2", "ddp", "zero1-adafactor", "fsdp2-adafactor")
 
 
 def perturbed(model: nn.Module, by: float) -> nn.Module:
@@ -67,7 +70,6 @@ def step_once(model: nn.Module, wrapped: nn.Module, opt: Any, step: int, rank: i
 
 # --------------------------------------------------------- ZeRO-1 over DDP
 def zero1(perturb: float = 0.0) -> tuple:
-    from torch.nn.parallel import DistributedDataParallel as DDP
 
     model = make_net("small", perturb)
     ddp = DDP(model)
@@ -146,13 +148,18 @@ def ws_build(kind: str, perturb: float = 0.0) -> tuple:
         root = Zero3Sequential([Zero3Layer(nn.Sequential(net.l1, nn.Tanh())),
                                 Zero3Layer(nn.Sequential(net.l2, nn.Tanh())), Zero3Layer(net.l3)])
         return net, root, funcopt.Adam(root.parameters(), **HYPER)
-    if kind == "fsdp2":
+    if kind in ("fsdp2", "fsdp2-adafactor"):
         from torch.distributed.fsdp import fully_shard
 
         for layer in (net.l1, net.l2, net.l3):
             fully_shard(layer)
         fully_shard(net)
-        return net, net, funcopt.Adam(net.parameters(), **HYPER)
+        return net, net, (funcopt.Adafactor if kind == "fsdp2-adafactor" else funcopt.Adam)(net.parameters(), **HYPER)
+    if kind == "ddp":
+        ddp = DDP(net)
+        return net, ddp, funcopt.script(funcopt.Adam(ddp.parameters(), **HYPER))
+    if kind == "zero1-adafactor":
+        return net, DDP(net), ZeroRedundancyOptimizer(net.parameters(), funcopt.Adafactor, **HYPER)
     raise ValueError(kind)
 
 
@@ -160,11 +167,14 @@ def ws_full_state(kind: str, model: nn.Module, opt: Any) -> Optional[Dict[str, A
     """The whole training state, unsharded, on rank 0 (None elsewhere): the model's full
     state dict and the optimizer's state with every sharded tensor whole."""
     rank = dist.get_rank()
-    if kind == "zero2":
+    if kind == "ddp":  # every rank holds it all
+        sd = copy.deepcopy(opt.state_dict())
+        return dict(model={k: v.clone() for k, v in model.module.state_dict().items()}, optim=sd) if rank == 0 else None
+    if kind in ("zero2", "zero1-adafactor"):
         opt.consolidate_state_dict(0)
         sd = copy.deepcopy(opt.state_dict()) if rank == 0 else None
         return dict(model={k: v.clone() for k, v in model.state_dict().items()}, optim=sd) if rank == 0 else None
-    if kind == "fsdp2":
+    if kind in ("fsdp2", "fsdp2-adafactor"):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
         msd, osd = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
