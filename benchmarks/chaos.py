@@ -71,7 +71,7 @@ exits 1 if any verdict is FAILED.  Each torchrun job runs under ``--timeout`` se
 events, plan, checkpoints) are in ``--workdir`` (default: a fresh directory under
 /tmp, removed at the end unless something failed or ``--keep-files``).
 
-    python benchmarks/chaos.py                              # everything (17 min on 2 busy cores)
+    python benchmarks/chaos.py                              # everything (13-17 min on 2 cores)
     python benchmarks/chaos.py --configs zero2-adam --kills 4 --steps 30 --scenarios first-save
     python benchmarks/chaos.py --scenarios none --seed 3
 """
