@@ -12,8 +12,9 @@ resumed from the save expected (the one before an uncommitted save), that the jo
 and that the final state digest (unsharded parameters, optimizer state, learning rates) and
 every logged loss (the last one per step, and every replayed one) are bitwise the reference's.
 
-ZeRO-1 + Adam is in the default tier; ZeRO-2, ZeRO-3, FSDP2 and FSDP2 + Adafactor in the
-rest tier (about 30-40 s each on 2 busy cores: two torchrun jobs, four start-ups).  The random,
+Every case is in the rest tier (CI runs it; the default tier's real kill is test_checkpointer's):
+ZeRO-1, ZeRO-2, ZeRO-3, FSDP2 with Adam and FSDP2 + Adafactor (about 30-40 s each on 2 busy
+cores: two torchrun jobs, four start-ups).  The random,
 longer version with external SIGKILLs, a full disk and a world-size change is
 ``benchmarks/chaos.py``.
 """
@@ -165,6 +166,7 @@ def _check(tmp: Any, config: str) -> None:
     assert not replayed, f"replayed losses differ at steps {replayed}"
 
 
+@pytest.mark.rest  # README's command stays under 10 minutes; CI runs it (step 1a, and step 2 on the newest torch)
 @pytest.mark.timeout(TEST_TIMEOUT)
 def test_chaos_zero1_adam(tmp_path):
     _check(tmp_path, "zero1-adam")
