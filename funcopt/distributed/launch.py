@@ -228,7 +228,11 @@ def _child(rank: int, world: int, workdir: str, fn: Callable, args: tuple, backe
     except BaseException as e:
         Path(workdir, f"error-rank{rank}.txt").write_text(traceback.format_exc())
         Path(workdir, f"error-rank{rank}.line").write_text(one_line(e))
-        sys.exit(1)
+        # the error is on disk; after a peer died, interpreter shutdown can hang in gloo's threads
+        # (seen: a rank that had raised still running at the deadline), so leave at once
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
     tmp = Path(workdir, f"return-rank{rank}.pkl.tmp")
     with open(tmp, "wb") as f:
         pickle.dump(value, f)
