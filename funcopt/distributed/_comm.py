@@ -173,3 +173,17 @@ def all_gather_object(obj: Any, group: Optional[Any]) -> List[Any]:
     out: List[Any] = [None] * world
     dist.all_gather_object(out, obj, group=group)
     return out
+
+
+def agree_values(group: Optional[Any], error: Optional[str], what: str, value: Any = None) -> List[Any]:
+    """Collective: every rank's ``value``; ``DistributedError`` on every rank, with the same
+    message, if any rank has an ``error``.  Call on every rank.  Without a process group: one
+    process, ``[value]``."""
+    if dist.is_available() and dist.is_initialized():
+        got = all_gather_object((error, value), group)
+    else:
+        got = [(error, value)]
+    bad = [f"rank {r}: {e}" for r, (e, _) in enumerate(got) if e is not None]
+    if bad:
+        raise DistributedError(f"{what} failed on {len(bad)} of {len(got)} ranks: " + "; ".join(bad))
+    return [v for _, v in got]

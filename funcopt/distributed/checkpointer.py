@@ -53,6 +53,7 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from ._comm import DistributedError
+from ._comm import agree_values as _agree
 from ._files import (FAILURES, check_file_entries, check_files, failure_text, fsync_dir, hash_file,
                      read_record_file)
 
@@ -88,16 +89,6 @@ def _gather(value: Any, group: Any) -> List[Any]:
     out: List[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(out, value, group=group)
     return out
-
-
-def _agree(group: Any, error: Optional[str], what: str, value: Any = None) -> List[Any]:
-    """Collective: every rank's ``value``; ``DistributedError`` on every rank, with the same
-    message, if any rank has an ``error``."""
-    got = _gather((error, value), group)
-    bad = [f"rank {r}: {e}" for r, (e, _) in enumerate(got) if e is not None]
-    if bad:
-        raise DistributedError(f"{what} failed on {len(bad)} of {len(got)} ranks: " + "; ".join(bad))
-    return [v for _, v in got]
 
 
 @contextlib.contextmanager

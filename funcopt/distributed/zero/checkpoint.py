@@ -42,7 +42,7 @@ import os
 import re
 import shutil
 import uuid
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Tuple
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -50,8 +50,8 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.profiler import record_function
 
-from .. import _comm
 from .._comm import DistributedError
+from .._comm import agree_values as _agree
 from .._files import FAILURES as _FAILURES
 from .._files import failure_text as _what
 from .._files import fsync_dir as _fsync_dir
@@ -69,16 +69,6 @@ _FILE = re.compile(r"^(\.metadata|__\d+_\d+\.distcp)$")
 
 
 # ------------------------------------------------------------------ helpers
-def _agree(group: Any, error: Optional[str], what: str, value: Any = None) -> List[Any]:
-    """Collective: every rank's ``value``; ``DistributedError`` on every rank, with the
-    same message, if any rank has an ``error``.  Call on every rank."""
-    got = _comm.all_gather_object((error, value), group)
-    bad = [f"rank {r}: {e}" for r, (e, _) in enumerate(got) if e is not None]
-    if bad:
-        raise DistributedError(f"{what} failed on {len(bad)} of {len(got)} ranks: " + "; ".join(bad))
-    return [v for _, v in got]
-
-
 class _Meshes:
     """1-D device meshes over ``group``, one per device type of the local tensors (DTensor
     would copy a local tensor to its mesh's device type, and a load must land in ours)."""
