@@ -88,7 +88,8 @@ def kinds(cls: type) -> Dict[str, Kind]:
     except (TypeError, ValueError):
         return {}
     try:
-        torch_params = inspect.signature(cls.torch_class.__init__).parameters
+        oracle = cls.torch_class
+        torch_params = inspect.signature(oracle.__init__).parameters if isinstance(oracle, type) else {}
     except (AttributeError, TypeError, ValueError):
         torch_params = {}
     codes = getattr(cls, "hyper_codes", {}) or {}
@@ -267,8 +268,11 @@ def validate(cls: type, group: Mapping[str, Any]) -> None:
     for key, kind in present:
         if kind.kind in _CHECKS:
             _CHECKS[kind.kind](owner, key, group[key], kind, False)
-    if getattr(cls, "torch_class", None) is not None:
+    if isinstance(getattr(cls, "torch_class", None), type):
         _torch_check(cls, group)
+    ranges = getattr(cls, "check_ranges", None)
+    if ranges is not None:  # an algorithm whose oracle is not torch's: its own range checks
+        ranges(group)
     codes = getattr(cls, "hyper_codes", {}) or {}
     for key, kind in present:
         if kind.kind in (NUMBER, TUPLE):

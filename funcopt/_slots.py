@@ -85,6 +85,10 @@ class Slots:
         # bumped whenever a state tensor is replaced (allocation, set_state,
         # re-homed step counters): the Python wrapper re-reads its state view
         self.epoch = 0
+        # per param group: the values the rule keeps per group (the optimizer class's
+        # ``group_state``: step counters and the like, in the oracle's param_groups), one
+        # float64 CPU vector each, updated in place by the kernel's ``group`` (empty: none)
+        self.groups: List[Tensor] = [torch.empty(0, dtype=torch.float64) for _ in hyper]
 
     def _bad_grad(self, i: int, g: Tensor) -> str:
         p = self.params[i]
@@ -368,6 +372,12 @@ class Slots:
 
     def state_present(self, i: int) -> bool:
         return self.has_state[i]
+
+    def get_group(self, g: int) -> Tensor:
+        return self.groups[g]
+
+    def set_group(self, g: int, values: Tensor) -> None:
+        self.groups[g] = values
 
     def set_hyper(self, g: int, key: str, value: float) -> None:
         self.hyper[g][key] = value

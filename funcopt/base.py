@@ -65,13 +65,22 @@ _INDEX = re.compile(r"\b(gradient|parameter) (\d+)\b")
 _ERRORS = {"ValueError": ValueError, "RuntimeError": RuntimeError, "TypeError": TypeError}
 
 
-def _flatten_hyper(group: Dict[str, Any], codes: Optional[Dict[str, Dict[Any, float]]] = None) -> Dict[str, float]:
+def oracle_name(cls: type) -> str:
+    """The name of ``cls.torch_class``: a class, or ``"module:Class"`` for an oracle
+    outside torch (a test-only package, imported by ``funcopt.registry`` on use)."""
+    oracle = cls.torch_class
+    return oracle.rsplit(":", 1)[-1] if isinstance(oracle, str) else oracle.__name__
+
+
+def _flatten_hyper(group: Dict[str, Any], codes: Optional[Dict[str, Dict[Any, float]]] = None,
+                   skip: Tuple[str, ...] = ()) -> Dict[str, float]:
     """Group dict -> the core's ``Dict[str, float]``: booleans as 0/1, tuples as
     key0, key1... (``None`` inside a tuple as NaN), and values listed in
-    ``codes`` (the class's ``hyper_codes``, e.g. a string option) by their code."""
+    ``codes`` (the class's ``hyper_codes``, e.g. a string option) by their code.
+    ``skip``: the class's ``group_state`` keys (the core keeps them itself)."""
     out: Dict[str, float] = {}
     for key, value in group.items():
-        if key in ("params", "param_names") or key in _IMPL_KEYS:
+        if key in ("params", "param_names") or key in _IMPL_KEYS or key in skip:
             continue
         if codes and key in codes:
             table = codes[key]
@@ -236,6 +245,18 @@ class Optimizer(torch.optim.Optimizer):
     # hyperparameters it reads, in order; None: the algorithm has none (an ATen fused kernel, or a
     # whole-parameter rule)
     native_rule: Optional[Tuple[str, Tuple[str, ...]]] = None
+    # values the rule keeps per param group, as (name, initial value), in the oracle's
+    # param_groups keys (``group['step']``, Schedule-Free's ``k``...): stored in param_groups
+    # (the state_dict format) and, in the core, as one float64 vector per group that the
+    # kernel's GroupRule methods update (funcopt/optimizers/_core.py); written back into
+    # param_groups after each step, a user's (or load_state_dict's) change pushed before the next
+    group_state: Tuple[Tuple[str, Any], ...] = ()
+    # 2: a sum over every parameter between two passes of the step (Prodigy's d): the core's
+    # begin / GroupRule.partial / finish; ``sum_partials`` (a distributed layer's all-reduce)
+    # adds the partial sums up across ranks
+    phases: int = 1
+    # train()/eval() swap the parameters (Schedule-Free): the core's set_mode, GroupRule.mode
+    has_modes: bool = False
 
     @classmethod
     def slot_shape(cls, name: str, p: Tensor) -> Optional[Tuple[int, ...]]:
@@ -281,6 +302,11 @@ class Optimizer(torch.optim.Optimizer):
         d["_state_at_construction"] = False
         d["_dt"] = None  # DTensor parameters: the local shards the core steps (funcopt/_dtensor.py)
         d["_dt_cache"] = {}
+        d["_group_keys"] = tuple(name for name, _ in type(self).group_state)
+        d["_group_seen"] = []  # per group: the group_state values last written to / read from param_groups
+        # a two-phase rule (phases = 2): a function that sums the partial-sum vector across the
+        # ranks that share the parameters (set by ZeRO / the RPC optimizer); None: one process
+        d["sum_partials"] = None
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name == "state" and "_state_flag" in self.__dict__:
@@ -295,6 +321,8 @@ class Optimizer(torch.optim.Optimizer):
     def __getstate__(self) -> Dict[str, Any]:
         with self._lock:
             self._prepare(refresh=True)
+            if self.group_state:
+                self._mirror_groups()
             return {
                 "defaults": self.defaults,
                 "param_groups": self.param_groups,
@@ -450,7 +478,7 @@ class Optimizer(torch.optim.Optimizer):
         )
         group_of = [g for g, group in enumerate(self.param_groups) for _ in group["params"]]
         buckets, fused = self._bucket(params, group_of)
-        hyper = [_flatten_hyper(g, self.hyper_codes) for g in self.param_groups]
+        hyper = [_flatten_hyper(g, self.hyper_codes, self._group_keys) for g in self.param_groups]
         names = [name for name, _ in self.slots]
         step_params = params if self._dt is None else self._dt.step_params
         slots = Slots(step_params, group_of, buckets, fused, hyper, len(self.slots),
@@ -459,6 +487,14 @@ class Optimizer(torch.optim.Optimizer):
             vals = carry.get(id(p))
             if vals is not None:
                 slots.set_state(i, vals, True)
+        if self.group_state:
+            self._group_seen = []
+            for g, group in enumerate(self.param_groups):
+                for name, init in self.group_state:
+                    group.setdefault(name, init)
+                vals = self._group_values(g, group)
+                slots.set_group(g, torch.tensor(vals, dtype=torch.float64))
+                self._group_seen.append(tuple(group[name] for name, _ in self.group_state))
         self._hyper_cache = hyper
         self._hyper_sig = [_hyper.signature(g) for g in self.param_groups]
         self._group_of = group_of
@@ -478,6 +514,10 @@ class Optimizer(torch.optim.Optimizer):
 
     def _rebuild(self) -> None:
         """New core over the current ``param_groups``; state carried by parameter."""
+        if self.group_state and "_slots" in self.__dict__:
+            # a user's edit, then what the core counted (compiled steps too), before a rebuild reads param_groups
+            self._push_groups()
+            self._mirror_groups()
         for group in self.param_groups:  # raw dicts appended to param_groups
             for k, v in self.defaults.items():
                 group.setdefault(k, v)
@@ -524,8 +564,17 @@ class Optimizer(torch.optim.Optimizer):
         # an ATen fused kernel (fused_devices) takes grad_scale / found_inf itself; a native
         # rule's buckets get unscaled, checked gradients (a NativeKernel: Core.native)
         fused_amp = self.native_rule is None or len(self.fused_devices) > 0
+        grouped = len(self.group_state) > 0
+        if grouped or self.phases != 1 or self.has_modes:
+            rule = kernel  # the kernel class implements GroupRule too
+        else:
+            rule = _core.NoGroups()
+            if isinstance(kernel, torch.jit.RecursiveScriptClass):
+                from .script import script_object
+
+                rule = script_object(rule)
         return _core.Core(slots, kernel, self.sparse_msg, self.split_first, self.init_at_construction,
-                          fused_amp, block, native)
+                          rule, fused_amp, block, native, grouped, self.phases)
 
     def _script(self) -> None:
         with self._lock:
@@ -611,6 +660,8 @@ class Optimizer(torch.optim.Optimizer):
         if self._state_flag.dirty:
             self._push_state()
         self._sync_hyper(grads)
+        if self.group_state:
+            self._push_groups()
         if refresh and self._epoch != self._slots.epoch:
             self._refresh_state()
 
@@ -674,7 +725,7 @@ class Optimizer(torch.optim.Optimizer):
         for g, group in enumerate(self.param_groups):
             n = len(group["params"])
             try:
-                flat: Optional[Dict[str, float]] = _flatten_hyper(group, self.hyper_codes)
+                flat: Optional[Dict[str, float]] = _flatten_hyper(group, self.hyper_codes, self._group_keys)
             except (ValueError, TypeError):
                 flat = None  # a value the check below names
             cached = self._hyper_cache[g]
@@ -693,7 +744,7 @@ class Optimizer(torch.optim.Optimizer):
             start += n
             self._validate_hyper(group)  # before anything changes; names the key and the value
             if flat is None:
-                flat = _flatten_hyper(group, self.hyper_codes)
+                flat = _flatten_hyper(group, self.hyper_codes, self._group_keys)
             missing = set(cached) - set(flat)
             if missing:
                 raise ValueError(f"param_groups[{g}] lost hyperparameters {sorted(missing)}")
@@ -706,6 +757,62 @@ class Optimizer(torch.optim.Optimizer):
                     self._slots.set_hyper(g, k, v)
             self._hyper_cache[g] = flat
             self._hyper_sig[g] = sig
+
+    # ------------------------------------------------------------ group state
+    def _group_values(self, g: int, group: Dict[str, Any]) -> List[float]:
+        """``group``'s ``group_state`` values as floats for the core, checked
+        (a real number or a bool each; a ``TypeError`` naming the key otherwise)."""
+        out = []
+        for name, _ in self.group_state:
+            v = group[name]
+            if isinstance(v, Tensor) and v.numel() == 1 and not v.is_complex():
+                v = v.item()
+            if not isinstance(v, (bool, int, float)) and not (type(v).__module__ == "numpy" and hasattr(v, "item")):
+                raise TypeError(f"{type(self).__name__}: param_groups[{g}][{name!r}] is {self.__class__.__name__}'s "
+                                f"own per-group value and must be a number, got {v!r} ({type(v).__name__})")
+            v = float(v)
+            if math.isnan(v):
+                raise ValueError(f"{type(self).__name__}: param_groups[{g}][{name!r}] must not be NaN")
+            out.append(v)
+        return out
+
+    def _mirror_groups(self) -> None:
+        """param_groups := the core's per-group values (after a step; before
+        state_dict, pickling and a rebuild).  Not under torch.compile (a host
+        read): compiled steps are caught up by the next eager step or state_dict."""
+        slots = self._slots
+        for g, group in enumerate(self.param_groups):
+            if g >= len(self._group_seen):
+                break
+            vals = slots.get_group(g).tolist()
+            for (name, init), v in zip(self.group_state, vals):
+                group[name] = bool(v) if isinstance(init, bool) else int(v) if isinstance(init, int) else v
+            self._group_seen[g] = tuple(group[name] for name, _ in self.group_state)
+
+    def _push_groups(self) -> None:
+        """A group_state value changed in param_groups (by the user, a
+        scheduler, load_state_dict) since the core last wrote it: into the core."""
+        slots = self._slots
+        for g, group in enumerate(self.param_groups):
+            if g >= len(self._group_seen):
+                break
+            seen = self._group_seen[g]
+            now = tuple(group.get(name, init) for name, init in self.group_state)
+            if now != seen:
+                vals = self._group_values(g, dict(group, **{n: v for (n, _), v in zip(self.group_state, now)}))
+                slots.get_group(g).copy_(torch.tensor(vals, dtype=torch.float64))
+                self._group_seen[g] = now
+
+    def _set_mode(self, train: bool) -> None:
+        """Train or eval mode of a rule that has both (``has_modes``): every
+        param group's parameters swapped by the kernel (GroupRule.mode), the
+        mode written into param_groups."""
+        with self._lock:
+            self._prepare(refresh=True)
+            self._core.set_mode(train)
+            if self._dt is not None:
+                self._dt.after_step()
+            self._mirror_groups()
 
     def _slots_switched_on(self, g: int, old: Dict[str, float], new: Dict[str, float]) -> List[int]:
         """Parameters whose state must restart because a flag now adds a slot.
@@ -778,6 +885,8 @@ class Optimizer(torch.optim.Optimizer):
                 finally:
                     if self._epoch != self._slots.epoch:
                         self._refresh_state()
+                    if self.group_state:
+                        self._mirror_groups()
         return loss
 
     def _grads(self, grads: Any) -> List[Optional[Tensor]]:
@@ -831,7 +940,12 @@ class Optimizer(torch.optim.Optimizer):
             if any(i < len(grads) and grads[i] is not None for i in bad):
                 raise RuntimeError(message)
         try:
-            self._core.step(grads, grad_scale, found_inf)
+            if self.phases == 2 and self.sum_partials is not None:
+                core = self._core
+                core.begin(grads, grad_scale, found_inf)
+                core.finish(self.sum_partials(core.partials()))
+            else:
+                self._core.step(grads, grad_scale, found_inf)
             if self._dt is not None:
                 self._dt.after_step()  # a whole-parameter rule: this rank's shard of the stepped copy
         except torch.jit.Error as e:  # scripted core: our own errors, as eager raises them
@@ -892,6 +1006,8 @@ class Optimizer(torch.optim.Optimizer):
         with self._lock:
             if not self._state_flag.dirty and not self._structure_changed() and self._epoch != self._slots.epoch:
                 self._refresh_state()
+            if self.group_state and not self._structure_changed():
+                self._mirror_groups()
             state_dict = state_format.pack(self.param_groups, self.state)
         for post_hook in self._optimizer_state_dict_post_hooks.values():
             result = post_hook(self, state_dict)
@@ -933,7 +1049,7 @@ class Optimizer(torch.optim.Optimizer):
                 if missing:
                     raise ValueError(
                         f"{name}.load_state_dict: param group {g} lacks hyperparameters {missing}; "
-                        f"is this a {self.torch_class.__name__} state dict?"
+                        f"is this a {oracle_name(type(self))} state dict?"
                     )
                 new = state_format.merge_group(saved, group, self.defaults)
                 try:

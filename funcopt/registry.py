@@ -12,6 +12,7 @@ import functools
 import importlib
 import itertools
 import os
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional, Type, Union
 
@@ -115,7 +116,16 @@ class AlgorithmSpec:
 
     @property
     def torch_cls(self) -> type:
-        return self.cls.torch_class
+        """The oracle class: ``cls.torch_class``, imported here where it is a
+        ``"module:Class"`` string (an algorithm torch.optim lacks: its reference
+        package, a test-only dependency -- ``pip install funcopt[test]``)."""
+        return resolve_oracle(self.cls.torch_class, self.name)
+
+    @property
+    def oracle_package(self) -> Optional[str]:
+        """The package of an oracle outside torch (``"schedulefree"``...), else None."""
+        oracle = self.cls.torch_class
+        return oracle.split(":", 1)[0].split(".", 1)[0] if isinstance(oracle, str) else None
 
     @property
     def fused_devices(self) -> tuple:
@@ -232,6 +242,24 @@ _SPECS = [
         ns_coefficients=[(3.4445, -4.7750, 2.0315), (2.0, -1.5, 0.5)], eps=[1e-7, 0.1], ns_steps=[5, 2],
         adjust_lr_fn=[None, "match_rms_adamw"]),
         rich=dict(lr=0.02, weight_decay=0.1, momentum=0.9, ns_steps=3, adjust_lr_fn="match_rms_adamw")),
+    AlgorithmSpec("AdamWScheduleFree", "schedulefree", base=dict(lr=0.01), grid=dict(
+        betas=[(0.9, 0.999), (0.5, 0.9)], weight_decay=[0.0, 0.1], warmup_steps=[0, 3], r=[0.0, 1.0],
+        weight_lr_power=[2.0, 0.0], eps=[1e-8, 1e-3]),
+        rich=dict(lr=0.01, betas=(0.5, 0.9), weight_decay=0.1, warmup_steps=3, r=0.5)),
+    AlgorithmSpec("SGDScheduleFree", "schedulefree", base=dict(lr=0.1), grid=dict(
+        momentum=[0.9, 0.5], weight_decay=[0.0, 0.1], warmup_steps=[0, 3], r=[0.0, 1.0], weight_lr_power=[2, 0.0]),
+        rich=dict(lr=0.1, momentum=0.5, weight_decay=0.1, warmup_steps=3, r=0.5)),
+    AlgorithmSpec("ADOPT", "adopt", base=dict(lr=0.01), grid=dict(
+        betas=[(0.9, 0.9999), (0.5, 0.9)],
+        clip_lambda=[importlib.import_module(f"{__package__}.optimizers.adopt").default_clip_lambda, None],
+        weight_decay=[0.0, 0.1], weight_decouple=[False, True], fixed_decay=[False, True], eps=[1e-6, 1e-3],
+        maximize=[False, True]),
+        rich=dict(lr=0.01, betas=(0.5, 0.9), weight_decay=0.1, weight_decouple=True)),
+    AlgorithmSpec("AdEMAMix", "ademamix", base=dict(lr=0.01), grid=dict(
+        betas=[(0.9, 0.999, 0.9999), (0.5, 0.9, 0.99)], weight_decay=[0.0, 0.1], weight_decouple=[False, True],
+        fixed_decay=[False, True], alpha=[5.0, 0.5], t_alpha_beta3=[None, 10.0], maximize=[False, True]),
+        rich=dict(lr=0.01, betas=(0.5, 0.9, 0.99), weight_decay=0.1, weight_decouple=True, alpha=2.0,
+                  t_alpha_beta3=10.0, eps=1e-3)),
 ]
 
 REGISTRY: Dict[str, AlgorithmSpec] = {s.name: s for s in _SPECS}
@@ -247,6 +275,28 @@ def _takes(torch_cls: type, shape: tuple, dtype: torch.dtype, base: tuple) -> bo
     except (RuntimeError, ValueError, TypeError, ZeroDivisionError, NotImplementedError):
         return False
     return True
+
+
+def resolve_oracle(oracle: Union[type, str], name: str = "") -> type:
+    """``oracle`` itself, or the class a ``"module:Class"`` string names (imported)."""
+    if not isinstance(oracle, str):
+        return oracle
+    module, _, attr = oracle.partition(":")
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except ImportError as e:
+        raise ImportError(f"the oracle of {name or attr} is {module}.{attr}, from a package funcopt tests against "
+                          f"but does not need at run time; install it (pip install 'funcopt[test]'): {e}") from e
+
+
+def _loaded_oracle(spec: AlgorithmSpec) -> Any:
+    """The oracle class if it is a torch class or its module is already imported
+    (lookups never import a test-only package)."""
+    oracle = spec.cls.torch_class
+    if not isinstance(oracle, str):
+        return oracle
+    module, _, attr = oracle.partition(":")
+    return getattr(sys.modules[module], attr, None) if module in sys.modules else None
 
 
 def register(spec: AlgorithmSpec) -> AlgorithmSpec:
@@ -291,7 +341,8 @@ def get(name_or_class: Any) -> AlgorithmSpec:
       KeyError: anything else that is not registered.
     """
     for spec in _SPECS:
-        if name_or_class in (spec.name, spec.cls, spec.torch_cls):
+        if name_or_class in (spec.name, spec.cls) or (
+                isinstance(name_or_class, type) and name_or_class is _loaded_oracle(spec)):
             return spec
     refuse_out_of_scope(name_or_class, "funcopt.registry.get")
     raise KeyError(

@@ -106,6 +106,67 @@ class Kernel:
         pass
 
 
+class GroupRule:
+    """What a rule with per-group state implements besides :class:`Kernel`
+    (the optimizer class declares ``group_state``, ``phases = 2`` or train/eval
+    modes; its kernel class implements both interfaces).  Other rules get
+    :class:`NoGroups`.
+
+    ``gs`` is one param group's values (float64 CPU vector, the class's
+    ``group_state`` order): step counters and the like that the oracle keeps
+    in ``param_groups``.  ``Kernel.dense`` and ``Kernel.single`` of such a
+    class get one more ``state`` column after the slots, every entry of which
+    is the group's ``gs`` (read ``state[len(state) - 1][0]``; written only in
+    ``group``/``combine``/``mode``).
+    """
+    def group(self, gs: Tensor, h: Dict[str, float]) -> None:
+        """Once per param group per step -- every group, also one without a
+        gradient this step (as the oracles bump ``group['step']``), after the
+        step's checks and before its buckets; not on a step AMP skips.
+        Updates ``gs`` in place; may raise (before any tensor changed)."""
+        pass
+
+    def mode(self, params: List[Tensor], state: List[List[Tensor]], h: Dict[str, float], train: bool) -> None:
+        """Train/eval mode (Schedule-Free): once per param group, over every
+        parameter of the group that has state (all devices and dtypes; maybe
+        none), ``state`` as in ``dense`` with a group column of one entry.
+        Swaps the parameters in place and records the mode in ``gs`` --
+        nothing when the group is already in that mode."""
+        pass
+
+    def partial(self, groups: List[Tensor]) -> Tensor:
+        """Two-phase rules (the class's ``phases = 2``, Prodigy): after every
+        bucket's first-phase ``dense``, the sums to add up over all parameters
+        -- across ranks too (ZeRO, RPC) -- as one float64 vector."""
+        pass
+
+    def combine(self, groups: List[Tensor], total: Tensor) -> None:
+        """Two-phase rules: ``total`` is :meth:`partial` summed over every
+        rank; update every group's ``gs`` (e.g. Prodigy's ``d``) before the
+        second-phase ``dense`` calls."""
+        pass
+
+
+
+class NoGroups:
+    """The :class:`GroupRule` of a rule without per-group state."""
+
+    def __init__(self) -> None:
+        self.name = "none"
+
+    def group(self, gs: Tensor, h: Dict[str, float]) -> None:
+        pass
+
+    def mode(self, params: List[Tensor], state: List[List[Tensor]], h: Dict[str, float], train: bool) -> None:
+        pass
+
+    def partial(self, groups: List[Tensor]) -> Tensor:
+        return torch.empty(0, dtype=torch.float64)
+
+    def combine(self, groups: List[Tensor], total: Tensor) -> None:
+        pass
+
+
 def ensure_interface() -> None:
     """Make :class:`Kernel` a ``torch.jit.interface`` (once, quietly), right
     before the first scripting: not at import time, where torch >= 2.14 would
@@ -115,6 +176,7 @@ def ensure_interface() -> None:
 
         with quiet_jit():
             torch.jit.interface(Kernel)
+            torch.jit.interface(GroupRule)
 
 
 def native_bucket(p: Tensor) -> bool:
@@ -179,9 +241,24 @@ class Core:
     """Scriptable state and step of one optimizer: a :class:`Slots` and a kernel."""
 
     def __init__(self, slots: Slots, kernel: Kernel, sparse_msg: str, split_first: bool,
-                 init_at_construction: bool, fused_amp: bool = True, block: int = 0, native: bool = False):
+                 init_at_construction: bool, rule: GroupRule, fused_amp: bool = True, block: int = 0,
+                 native: bool = False, grouped: bool = False, phases: int = 1):
         self.slots = slots
         self.kernel = kernel
+        self.rule = rule  # the kernel itself for a rule with per-group state, else NoGroups()
+        # the class keeps per-group values (``group_state``): the kernel's ``group`` runs once
+        # per group per step, and its ``dense``/``single`` get the group's vector as a last
+        # state column
+        self.grouped = grouped
+        # 2: a rule with a sum over all parameters between two passes (Prodigy's ``d``):
+        # ``begin`` (first pass), ``rule.partial`` summed over ranks, ``finish`` (second pass)
+        self.phases = phases
+        self.bumping = True  # False during a second pass: the step counters moved in the first
+        self.pending_idx: List[List[int]] = []
+        self.pending_grads: List[List[Tensor]] = []
+        self.pending_odd: List[bool] = []
+        self.pending_skip = False
+        self.pending_scale = torch.jit.annotate(Optional[Tensor], None)
         # > 0: run the foreach formula of a CPU bucket cache-blocked (:meth:`_blocked`), about
         # this many bytes of parameter elements per kernel call; 0: one call per bucket.  Set
         # (funcopt.base, BLOCK_BYTES) for impl="auto" and an elementwise rule only: impl="foreach"
@@ -210,9 +287,88 @@ class Core:
         grad_scale: Optional[Tensor] = None,
         found_inf: Optional[Tensor] = None,
     ) -> None:
+        if self.phases == 2:  # one process: the first pass's sums are the totals
+            self.begin(grads, grad_scale, found_inf)
+            self.finish(self.partials())
+            return
         s = self.slots
         # every check first, then changes
         idx, gs, odd = s.select(grads, grad_scale, found_inf, self.sparse_msg)
+        self._check(idx, gs, odd)
+        found_inf = found_inf_flag(found_inf)
+        if self.grouped:
+            self._groups(found_inf)
+        self._buckets(idx, gs, odd, grad_scale, found_inf)
+        s.release()
+
+    def begin(
+        self,
+        grads: List[Optional[Tensor]],
+        grad_scale: Optional[Tensor] = None,
+        found_inf: Optional[Tensor] = None,
+    ) -> None:
+        """A two-phase rule's first pass (checks, group hooks, every bucket's
+        first-phase ``dense``); then ``rule.partial`` (summed over ranks)
+        goes to :meth:`finish`."""
+        s = self.slots
+        self.bumping = True
+        idx, gs, odd = s.select(grads, grad_scale, found_inf, self.sparse_msg)
+        self._check(idx, gs, odd)
+        found_inf = found_inf_flag(found_inf)
+        self.pending_skip = skip_step(found_inf)
+        self.pending_idx = idx
+        self.pending_grads = gs
+        self.pending_odd = odd
+        self.pending_scale = grad_scale
+        if self.pending_skip:
+            return
+        self._groups(None)
+        self._buckets(idx, gs, odd, grad_scale, None)
+        s.release()
+
+    def partials(self) -> Tensor:
+        """The first pass's partial sums (``rule.partial``), to add up across ranks."""
+        return self.rule.partial(self.slots.groups)
+
+    def finish(self, total: Tensor) -> None:
+        """A two-phase rule's second pass over the gradients :meth:`begin` took."""
+        idx = self.pending_idx
+        gs = self.pending_grads
+        self.pending_idx = torch.jit.annotate(List[List[int]], [])
+        self.pending_grads = torch.jit.annotate(List[List[Tensor]], [])
+        if self.pending_skip:
+            return
+        self.rule.combine(self.slots.groups, total)
+        self.bumping = False  # (begin sets it back: TorchScript has no try/finally)
+        self._buckets(idx, gs, self.pending_odd, self.pending_scale, None)
+        self.bumping = True
+        self.pending_scale = None
+        self.slots.release()
+
+    def set_mode(self, train: bool) -> None:
+        """Train (``True``) or eval mode of a rule that has both (Schedule-Free):
+        the kernel's ``mode`` once per param group, over its parameters with state."""
+        s = self.slots
+        for g in range(len(s.hyper)):
+            params: List[Tensor] = []
+            state: List[List[Tensor]] = []
+            for _k in range(s.num_slots):
+                state.append(torch.jit.annotate(List[Tensor], []))
+            for i in range(len(s.params)):
+                if s.group_of[i] == g and s.has_state[i]:
+                    params.append(s.params[i])
+                    for k in range(s.num_slots):
+                        state[k].append(s.state[k][i])
+            state.append([s.groups[g]])
+            s.keep(params)
+            for col in state:
+                s.keep(col)
+            with torch.no_grad():
+                self.rule.mode(params, state, s.hyper[g], train)
+        s.release()
+
+    def _check(self, idx: List[List[int]], gs: List[List[Tensor]], odd: List[bool]) -> None:
+        s = self.slots
         for b in range(len(idx)):
             if len(idx[b]) == 0:
                 continue
@@ -220,7 +376,22 @@ class Core:
             if h.get("differentiable", 0.0) != 0.0:
                 check_differentiable(s.params, idx[b])
             self.kernel.check(s.params, idx[b], gs[b], h, odd[b])
-        found_inf = found_inf_flag(found_inf)
+
+    def _groups(self, found_inf: Optional[Tensor]) -> None:
+        """The kernel's ``group`` for every param group (not on a skipped step)."""
+        if skip_step(found_inf):
+            return
+        s = self.slots
+        for g in range(len(s.hyper)):
+            self.rule.group(s.groups[g], s.hyper[g])
+
+    def _group_column(self, b: int, n: int) -> List[Tensor]:
+        gv = self.slots.groups[self.slots.group_of[self.slots.buckets[b][0]]]
+        return [gv for _ in range(n)]
+
+    def _buckets(self, idx: List[List[int]], gs: List[List[Tensor]], odd: List[bool],
+                 grad_scale: Optional[Tensor], found_inf: Optional[Tensor]) -> None:
+        s = self.slots
         for b in range(len(idx)):
             if len(idx[b]) == 0:
                 continue
@@ -238,7 +409,6 @@ class Core:
                     self._single(b, pi, pg, h, grad_scale, found_inf)
                 else:
                     self._dense(b, idx[b], gs[b], fused, h, grad_scale, found_inf)
-        s.release()
 
     def _dense(self, b: int, idx: List[int], grads: List[Tensor], fused: bool, h: Dict[str, float],
                grad_scale: Optional[Tensor], found_inf: Optional[Tensor]) -> None:
@@ -290,8 +460,10 @@ class Core:
         state: List[List[Tensor]] = []
         for k in range(s.num_slots):
             state.append(L[k + 1])
-        if s.step_slot >= 0:
+        if s.step_slot >= 0 and self.bumping:
             bump(state[s.step_slot], s.step_base(b, idx))
+        if self.grouped:
+            state.append(self._group_column(b, len(params)))
         if params[0].is_complex():  # one dtype per bucket; never fused
             params = s.keep(real_views(params))
             grads = real_views(grads)
@@ -382,11 +554,11 @@ class Core:
             snaps: List[Tensor] = []
             for k in range(nk):
                 t = state[k][j]
-                if t.size() == p.size():
+                if t.size() == p.size() and k < s.num_slots:
                     cols.append(t.view(-1).split(size))
                 else:
                     cols.append([t for _ in range(pieces)])
-                    if k != s.step_slot and t.numel() > 0:
+                    if k != s.step_slot and t.numel() > 0 and k < s.num_slots:
                         saved.append(t)
                         snaps.append(t.clone())
             for c in range(pieces):
@@ -405,7 +577,7 @@ class Core:
         and its state shaped like it contiguous; other state 0-d or empty."""
         if not p.is_contiguous() or not g.is_contiguous():
             return False
-        for k in range(len(state)):
+        for k in range(self.slots.num_slots):  # not the group column (read whole by every chunk)
             t = state[k][j]
             if t.size() == p.size():
                 if not t.is_contiguous():
@@ -454,8 +626,11 @@ class Core:
         for k in range(s.num_slots):
             col = s.state[k]
             state.append(s.keep([col[i] if not first else torch.empty(0) for i in idx]))
-        if s.step_slot >= 0 and not first:
+        if s.step_slot >= 0 and not first and self.bumping:
             bump(state[s.step_slot])
+        if self.grouped:
+            gv = s.groups[s.group_of[idx[0]]]
+            state.append(s.keep([gv for _ in idx]))
         out = self.kernel.single(params, grads, state, h, first)
         if first:
             for j in range(len(idx)):
