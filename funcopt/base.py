@@ -65,6 +65,17 @@ _INDEX = re.compile(r"\b(gradient|parameter) (\d+)\b")
 _ERRORS = {"ValueError": ValueError, "RuntimeError": RuntimeError, "TypeError": TypeError}
 
 
+def _flag(group: Dict[str, Any], cond: str) -> Any:
+    """``group[cond]``; for ``key<j>`` absent from a raw group, element j of its tuple ``key``."""
+    if cond in group:
+        return group[cond]
+    head, tail = cond.rstrip("0123456789"), cond[len(cond.rstrip("0123456789")):]
+    value = group.get(head)
+    if tail and isinstance(value, (tuple, list)) and int(tail) < len(value):
+        return value[int(tail)]
+    return None
+
+
 def oracle_name(cls: type) -> str:
     """The name of ``cls.torch_class``: a class, or ``"module:Class"`` for an oracle
     outside torch (a test-only package, imported by ``funcopt.registry`` on use)."""
@@ -259,10 +270,12 @@ class Optimizer(torch.optim.Optimizer):
     has_modes: bool = False
 
     @classmethod
-    def slot_shape(cls, name: str, p: Tensor) -> Optional[Tuple[int, ...]]:
-        """Shape of state slot ``name`` for parameter ``p``; ``None``: ``p`` has no
-        such slot.  Default: ``step`` 0-d, every other slot shaped like ``p``.
-        Adafactor overrides it (factored row/column state for matrices)."""
+    def slot_shape(cls, name: str, p: Tensor, group: Any = None) -> Optional[Tuple[int, ...]]:
+        """Shape of state slot ``name`` for parameter ``p`` of param group ``group``
+        (its hyperparameters, raw or as the core's floats; may be None); ``None``: ``p``
+        has no such slot.  Default: ``step`` 0-d, every other slot shaped like ``p``.
+        Adafactor overrides it (factored row/column state for matrices), Prodigy
+        (``slice_p``-strided statistics)."""
         return () if name == "step" else tuple(p.shape)
 
     def __init__(self, params: Any, defaults: Dict[str, Any], impl: str = "auto") -> None:
@@ -560,7 +573,8 @@ class Optimizer(torch.optim.Optimizer):
         # impl="auto": a CPU bucket that runs the foreach formula (no fused kernel, no native
         # rule there) runs it cache-blocked, bitwise the same (Core._blocked); impl="foreach"
         # keeps torch's call sequence, and a whole-parameter rule cannot be cut
-        block = _core.BLOCK_BYTES if self.impl == "auto" and not self.whole_params else 0
+        # (nor a two-phase rule: its sums over each parameter keep the oracle's order)
+        block = _core.BLOCK_BYTES if self.impl == "auto" and not self.whole_params and self.phases == 1 else 0
         # an ATen fused kernel (fused_devices) takes grad_scale / found_inf itself; a native
         # rule's buckets get unscaled, checked gradients (a NativeKernel: Core.native)
         fused_amp = self.native_rule is None or len(self.fused_devices) > 0
@@ -983,7 +997,9 @@ class Optimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ state
     def _present(self, group: Dict[str, Any]) -> List[bool]:
-        return [cond is None or bool(group.get(cond)) for _, cond in self.slots]
+        """Which slots exist for ``group`` (raw, or the core's floats): a slot's
+        flag may name a tuple element as the core does (``betas0``)."""
+        return [cond is None or bool(_flag(group, cond)) for _, cond in self.slots]
 
     def _state_entry(self, i: int, p: Optional[Tensor] = None) -> Dict[str, Any]:
         slots = self._slots
@@ -992,7 +1008,8 @@ class Optimizer(torch.optim.Optimizer):
         present = self._present(self._hyper_cache[self._group_of[i]])  # as last synced to the core
         if type(self).slot_shape.__func__ is not Optimizer.slot_shape.__func__:  # slots that depend on p
             p = self._flat_params()[i] if p is None else p
-            present = [on and self.slot_shape(name, p) is not None for on, (name, _) in zip(present, self.slots)]
+            hyper = self._hyper_cache[self._group_of[i]]
+            present = [on and self.slot_shape(name, p, hyper) is not None for on, (name, _) in zip(present, self.slots)]
         entry = {name: slots.get_state(k, i) for k, (name, _) in enumerate(self.slots) if present[k]}
         if self._dt is not None:  # per-element state of a DTensor parameter, as a DTensor like it
             entry = {name: self._dt.wrap(i, name, v, self._dt_cache) for name, v in entry.items()}
@@ -1101,7 +1118,7 @@ class Optimizer(torch.optim.Optimizer):
             p, entry = self._dt.unwrap_entry(p, entry)
         fused = bool(group.get("fused")) or self._uses_fused(p)
         names = [n for n, _ in self.slots]
-        shapes = {n: self.slot_shape(n, p) for n in names}
+        shapes = {n: self.slot_shape(n, p, group) for n in names}
         slots = [(n, on and shapes[n] is not None) for n, on in zip(names, self._present(group))]
         try:
             return state_format.convert_entry(type(self).__name__, sid, p, entry, slots, fused,

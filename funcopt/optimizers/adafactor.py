@@ -397,7 +397,7 @@ class Adafactor(Optimizer):
     whole_params = True
 
     @classmethod
-    def slot_shape(cls, name: str, p: Tensor) -> Optional[Tuple[int, ...]]:
+    def slot_shape(cls, name: str, p: Tensor, group: Any = None) -> Optional[Tuple[int, ...]]:
         """Factored state: ``row_var``/``col_var`` for parameters of 2 or more
         dimensions (the last dimension, resp. the one before it, reduced),
         ``variance`` otherwise; ``None`` for the slots ``p`` does not have."""

@@ -192,7 +192,7 @@ class ASGD(Optimizer):
     native_rule = ("asgd", ("lr", "lambd", "alpha", "t0", "weight_decay", "maximize"))
 
     @classmethod
-    def slot_shape(cls, name: str, p: Tensor) -> Optional[tuple]:
+    def slot_shape(cls, name: str, p: Tensor, group: Any = None) -> Optional[tuple]:
         """``step``, ``eta`` and ``mu`` are scalars; ``ax`` is shaped like ``p``."""
         return () if name in ("step", "eta", "mu") else tuple(p.shape)
 

@@ -224,7 +224,7 @@ class NAdam(Optimizer):
                              "decoupled_weight_decay", "maximize"))
 
     @classmethod
-    def slot_shape(cls, name: str, p: Tensor) -> Optional[Tuple[int, ...]]:
+    def slot_shape(cls, name: str, p: Tensor, group: Any = None) -> Optional[Tuple[int, ...]]:
         """``step`` and ``mu_product`` are scalars; the moments are shaped like ``p``."""
         return () if name in ("step", "mu_product") else tuple(p.shape)
 
