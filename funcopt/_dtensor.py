@@ -211,6 +211,57 @@ def to_shard(v: Tensor, p: Tensor) -> Tensor:
     return v
 
 
+def partial_sum(params: Sequence[Tensor], owner: str) -> Optional[Any]:
+    """For a two-phase rule (Prodigy): a function summing its partial sums over the ranks
+    that hold the other shards of ``params`` -- a ZeRO-3 layer's chunks (their
+    ``funcopt_process_group``) or DTensors sharded over a device mesh (every mesh
+    dimension they are ``Shard``-ed on) -- or None (nothing sharded: one process's sums).
+    Raises ``ValueError`` for sharded and replicated parameters mixed (a replicated one
+    would be counted once per rank) or shards over different groups."""
+    import torch.distributed as dist
+
+    groups = []
+    plain = 0
+    for p in params:
+        if getattr(p, "funcopt_flat_chunk", False):
+            groups.append(("chunk", getattr(p, "funcopt_process_group", None)))
+        elif is_dtensor(p):
+            mesh = p.device_mesh
+            dims = tuple(d for d, pl in enumerate(p.placements) if pl.is_shard())
+            groups.append(("mesh", (mesh, dims)) if dims else ("plain", None))
+            plain += 0 if dims else 1
+        else:
+            plain += 1
+    sharded = [g for g in groups if g[0] != "plain"]
+    if not sharded:
+        return None
+    if plain:
+        raise ValueError(f"{owner} sums over every parameter, and {plain} of them are replicated on every rank "
+                         f"while the others are sharded (each rank would count the replicated ones once): "
+                         f"give {owner} the sharded parameters only, or none")
+    first = sharded[0]
+    if any(g[0] != first[0] or g[1] is not first[1] and g[1] != first[1] for g in sharded):
+        raise ValueError(f"{owner}: its parameters are sharded over different process groups or meshes; "
+                         f"its sums need one")
+    if first[0] == "chunk":
+        pg = first[1]
+        pgs = [pg]
+    else:
+        mesh, dims = first[1]
+        pgs = [mesh.get_group(d) for d in dims]
+
+    def total(t: Tensor) -> Tensor:
+        buf = t.clone()
+        for pg in pgs:
+            backend = dist.get_backend(pg)
+            x = buf.to(torch.device("cuda", torch.cuda.current_device())) if backend == "nccl" else buf
+            dist.all_reduce(x, op=dist.ReduceOp.SUM, group=pg)
+            buf = x.to(t.device)
+        return buf
+
+    return total
+
+
 def view_for(params: Sequence[Tensor], owner: str, whole_params: bool, differentiable: bool) -> Optional[LocalView]:
     """A :class:`LocalView` when ``params`` hold DTensors (a :class:`GatherView` for a
     rule that needs each parameter whole, ``whole_params``: collective, call on every

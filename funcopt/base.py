@@ -268,6 +268,14 @@ class Optimizer(torch.optim.Optimizer):
     phases: int = 1
     # train()/eval() swap the parameters (Schedule-Free): the core's set_mode, GroupRule.mode
     has_modes: bool = False
+    # the oracle's state_dict holds a per-parameter ``step`` as a Python int (prodigyopt), not a tensor
+    step_as_int: bool = False
+
+    @classmethod
+    def adapt_entry(cls, p: Tensor, entry: Any, group: Dict[str, Any]) -> Any:
+        """A loaded state entry in the oracle's form, as funcopt keeps it (default: as is).
+        Prodigy: the oracle's 0-d ``p0`` of an all-zero parameter becomes the strided copy."""
+        return entry
 
     @classmethod
     def slot_shape(cls, name: str, p: Tensor, group: Any = None) -> Optional[Tuple[int, ...]]:
@@ -320,6 +328,7 @@ class Optimizer(torch.optim.Optimizer):
         # a two-phase rule (phases = 2): a function that sums the partial-sum vector across the
         # ranks that share the parameters (set by ZeRO / the RPC optimizer); None: one process
         d["sum_partials"] = None
+        d["_shard_sum"] = None  # the same, found from the parameters (ZeRO-3 chunks, FSDP2 DTensors)
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name == "state" and "_state_flag" in self.__dict__:
@@ -481,6 +490,8 @@ class Optimizer(torch.optim.Optimizer):
         # DTensor parameters (FSDP2, tensor parallel): an elementwise rule steps their local shards
         self._dt = _dtensor.view_for(params, type(self).__name__, self.whole_params,
                                      any(g.get("differentiable") for g in self.param_groups))
+        # a two-phase rule over ZeRO-3 chunks or FSDP2 shards: its sums run over their ranks
+        self._shard_sum = _dtensor.partial_sum(params, type(self).__name__) if self.phases == 2 else None
         self._dt_cache = {}
         dup = state_format.find_duplicate(params)
         # torch only warns about a repeated parameter (and steps it twice); a
@@ -954,10 +965,11 @@ class Optimizer(torch.optim.Optimizer):
             if any(i < len(grads) and grads[i] is not None for i in bad):
                 raise RuntimeError(message)
         try:
-            if self.phases == 2 and self.sum_partials is not None:
+            reduce = self.sum_partials if self.sum_partials is not None else self._shard_sum
+            if self.phases == 2 and reduce is not None:
                 core = self._core
                 core.begin(grads, grad_scale, found_inf)
-                core.finish(self.sum_partials(core.partials()))
+                core.finish(reduce(core.partials()))
             else:
                 self._core.step(grads, grad_scale, found_inf)
             if self._dt is not None:
@@ -1026,6 +1038,10 @@ class Optimizer(torch.optim.Optimizer):
             if self.group_state and not self._structure_changed():
                 self._mirror_groups()
             state_dict = state_format.pack(self.param_groups, self.state)
+            if self.step_as_int:
+                for entry in state_dict["state"].values():
+                    if isinstance(entry.get("step"), Tensor):
+                        entry["step"] = int(entry["step"].item())
         for post_hook in self._optimizer_state_dict_post_hooks.values():
             result = post_hook(self, state_dict)
             if result is not None:
@@ -1116,6 +1132,7 @@ class Optimizer(torch.optim.Optimizer):
     def _convert_entry(self, sid: Any, p: Tensor, entry: Dict[str, Any], group: Dict[str, Any]) -> List[Tensor]:
         if self._dt is not None and _dtensor.is_dtensor(p):  # checked and stored as this rank's shard
             p, entry = self._dt.unwrap_entry(p, entry)
+        entry = self.adapt_entry(p, entry, group)
         fused = bool(group.get("fused")) or self._uses_fused(p)
         names = [n for n, _ in self.slots]
         shapes = {n: self.slot_shape(n, p, group) for n in names}

@@ -168,6 +168,28 @@ def recv_object(src: int, group: Optional[Any]) -> Any:
     return box[0]
 
 
+def all_sum(t: Tensor, group: Optional[Any] = None) -> Tensor:
+    """Collective: ``t`` (a small CPU vector: a two-phase rule's partial sums, e.g.
+    Prodigy's) summed over the ranks of ``group``; returned on ``t``'s device and dtype."""
+    buf = t.to(comm_device(group), copy=True)
+    dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=group)
+    return buf.to(t.device, t.dtype)
+
+
+def group_state_back(src: Any, dst_groups: List[dict]) -> None:
+    """Copy a funcopt optimizer's per-group values (its class's ``group_state``: step
+    counters, Prodigy's ``d``, Schedule-Free's ``train_mode``...) from ``src.param_groups``
+    to ``dst_groups`` (a distributed layer's own groups, which the user and its
+    state_dict see)."""
+    names = [name for name, _ in getattr(type(src), "group_state", ())]
+    if not names:
+        return
+    for a, b in zip(src.param_groups, dst_groups):
+        for name in names:
+            if name in a:
+                b[name] = a[name]
+
+
 def all_gather_object(obj: Any, group: Optional[Any]) -> List[Any]:
     _, world = rank_and_size(group)
     out: List[Any] = [None] * world

@@ -122,6 +122,7 @@ class _Shard:
         self._prepared: Optional[Tuple[int, Any]] = None  # (seq, undo) of an applied, uncommitted change
         self._aborted: set = set()                          # seqs aborted before their prepare arrived
         self.compiled = False  # the funcopt optimizer runs scripted (False: eager, where torch cannot script)
+        self._phase = threading.Lock()  # a two-phase step between its passes (Prodigy)
         if self.scripted:
             with _STEP_LOCK:  # TorchScript compilation is not safe from concurrent RPC threads
                 cls = registry.get(optimizer).cls
@@ -218,6 +219,47 @@ class _Shard:
             else:
                 self._eager_step(context_id)
 
+    # -- a two-phase rule (Prodigy): its sums over every owner's parameters
+    def begin(self, context_id: int, hyper: Optional[Dict[str, Any]], seq: Optional[int], timeout: float) -> Tensor:
+        """The first pass over this owner's parameters; returns its partial sums.  Holds
+        this shard's two-phase lock until :meth:`finish` (or :meth:`abort_phase`): a
+        second trainer's step waits (up to ``timeout`` seconds, then fails)."""
+        if not self._phase.acquire(timeout=max(timeout, 1.0)):
+            raise RuntimeError("another trainer's two-phase step is still pending on this worker")
+        try:
+            with _STEP_LOCK:
+                if seq is not None:
+                    if self._prepared is None or self._prepared[0] != seq:
+                        raise RuntimeError(f"hyperparameter change {seq} is not prepared on this worker")
+                    self._prepared = None
+                elif hyper:
+                    self._apply_hyper(hyper)
+                found = dist_autograd.get_gradients(context_id)
+                core = self.opt.step_core
+                core.begin([found.get(p) for p in self.params], None, None)
+                return core.partials()
+        except BaseException:
+            self._phase.release()
+            raise
+
+    def finish(self, total: Tensor) -> None:
+        try:
+            with _STEP_LOCK:
+                self.opt.step_core.finish(total)
+        finally:
+            self._phase.release()
+
+    def abort_phase(self) -> None:
+        """The trainer gave up between the passes: drop the pending step (the first pass's
+        moments stay advanced; the parameters are unchanged) and free the lock."""
+        if self._phase.locked():
+            self._phase.release()
+
+    def set_mode(self, train: bool) -> None:
+        with _STEP_LOCK:
+            if getattr(type(self.opt), "has_modes", False):
+                self.opt.train() if train else self.opt.eval()
+
     def _eager_step(self, context_id: int) -> None:
         """As torch's ``_LocalOptimizer.step``: gradients in ``p.grad``, then ``opt.step()``.
         A parameter without a gradient in this context has ``grad=None`` (never a
@@ -295,6 +337,23 @@ def _shard_prepare(shard_id: int, seq: int, hyper: Dict[str, Any]) -> None:
 
 def _shard_abort(shard_id: int, seq: int) -> None:
     _get_shard(shard_id).abort(seq)
+
+
+def _shard_begin(shard_id: int, context_id: int, hyper: Optional[Dict[str, Any]], seq: Optional[int],
+                 timeout: float) -> Tensor:
+    return _get_shard(shard_id).begin(context_id, hyper, seq, timeout)
+
+
+def _shard_finish(shard_id: int, total: Tensor) -> None:
+    _get_shard(shard_id).finish(total)
+
+
+def _shard_abort_phase(shard_id: int) -> None:
+    _get_shard(shard_id).abort_phase()
+
+
+def _shard_mode(shard_id: int, train: bool) -> None:
+    _get_shard(shard_id).set_mode(train)
 
 
 def _is_tensor(rref: rpc.RRef) -> bool:
@@ -521,13 +580,52 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 k: v for k, v in self.param_groups[0].items() if k in self.defaults}))
         if hyper and self._refusable(hyper):
             seq = self._prepare(hyper)
-        with record_function("funcopt::rpc/step"):
-            args = (context_id, None, seq) if seq is not None else (context_id, hyper)
-            _, failed = _wait_all({w: rpc.rpc_async(w, _shard_step, args=(i, *args), timeout=self.rpc_timeout)
-                                   for w, i in self._ids.items()})
-            _raise_failures(failed, f"DistributedOptimizer.step: Error running optimizer. {self._cls_name} on")
+        if self.spec is not None and self.spec.cls.phases == 2:
+            self._two_phase_step(context_id, hyper, seq)
+        else:
+            with record_function("funcopt::rpc/step"):
+                args = (context_id, None, seq) if seq is not None else (context_id, hyper)
+                _, failed = _wait_all({w: rpc.rpc_async(w, _shard_step, args=(i, *args), timeout=self.rpc_timeout)
+                                       for w, i in self._ids.items()})
+                _raise_failures(failed, f"DistributedOptimizer.step: Error running optimizer. {self._cls_name} on")
         if hyper:
             self._sent.update(hyper)
+
+    def _two_phase_step(self, context_id: int, hyper: Optional[Dict[str, Any]], seq: Optional[int]) -> None:
+        """A rule whose step sums over every parameter (Prodigy's ``d``): every owner's
+        first pass, the partial sums added up here (in worker order), every owner's second."""
+        timeout = self.rpc_timeout if self.rpc_timeout != UNSET_RPC_TIMEOUT else rpc.get_rpc_timeout()
+        with record_function("funcopt::rpc/step_first_pass"):
+            done, failed = _wait_all({w: rpc.rpc_async(w, _shard_begin, args=(i, context_id, hyper, seq, timeout),
+                                                       timeout=self.rpc_timeout)
+                                      for w, i in self._ids.items()})
+            if failed:
+                _wait_all({w: rpc.rpc_async(w, _shard_abort_phase, args=(self._ids[w],), timeout=self.rpc_timeout)
+                           for w in done})
+                _raise_failures(failed, f"DistributedOptimizer.step: Error running optimizer. {self._cls_name} on")
+        total = None
+        for w in self.workers:
+            total = done[w] if total is None else total + done[w]
+        with record_function("funcopt::rpc/step_second_pass"):
+            _, failed = _wait_all({w: rpc.rpc_async(w, _shard_finish, args=(i, total), timeout=self.rpc_timeout)
+                                   for w, i in self._ids.items()})
+            _raise_failures(failed, f"DistributedOptimizer.step: Error running optimizer. {self._cls_name} on")
+
+    def train(self) -> None:
+        """Train mode on every owner (Schedule-Free: the parameters become the interpolated
+        point); a no-op for algorithms without modes."""
+        self._set_mode(True)
+
+    def eval(self) -> None:
+        """Eval mode on every owner (Schedule-Free: the parameters become the average)."""
+        self._set_mode(False)
+
+    def _set_mode(self, train: bool) -> None:
+        if self.spec is None or not self.spec.cls.has_modes:
+            return
+        _, failed = _wait_all({w: rpc.rpc_async(w, _shard_mode, args=(i, train), timeout=self.rpc_timeout)
+                               for w, i in self._ids.items()})
+        _raise_failures(failed, f"DistributedOptimizer.{'train' if train else 'eval'}: {self._cls_name} on")
 
     def state_dicts(self) -> Dict[str, Dict[str, Any]]:
         """Every owner's optimizer state, torch.optim format, keyed by worker name

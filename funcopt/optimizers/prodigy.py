@@ -111,7 +111,10 @@ class ProdigyKernel:
         pass
 
     def partial(self, groups: List[Tensor]) -> Tensor:
-        return torch.tensor([self.numerator, self.denominator], dtype=torch.float64)
+        out = torch.zeros(2, dtype=torch.float64)
+        out[0].fill_(self.numerator)  # (not torch.tensor(list): TorchScript rounds it through float32)
+        out[1].fill_(self.denominator)
+        return out
 
     def combine(self, groups: List[Tensor], total: Tensor) -> None:
         self.fresh = True
@@ -135,9 +138,13 @@ class ProdigyKernel:
             d_max = max(d_max, d_hat)
             d = min(d_max, d * h["growth_rate"])
         self.d = d
-        for gs in groups:
-            k = float(gs[0].item())
-            gs.copy_(torch.tensor([k + 1.0, d, d_max, d_numerator, d_denom, d_hat], dtype=torch.float64))
+        for gs in groups:  # (element by element: TorchScript's torch.tensor(list) rounds through float32)
+            gs[0].add_(1.0)
+            gs[1].fill_(d)
+            gs[2].fill_(d_max)
+            gs[3].fill_(d_numerator)
+            gs[4].fill_(d_denom)
+            gs[5].fill_(d_hat)
         self.second = True
 
     # --------------------------------------------------------------- Kernel
@@ -281,12 +288,15 @@ class Prodigy(Optimizer):
     group_state = (("k", 0), ("d", 1e-6), ("d_max", 1e-6), ("d_numerator", 0.0), ("d_denom", 0.0),
                    ("d_hat", 0.0))
     phases = 2
+    step_as_int = True
 
     def __init__(self, params: Any, lr: float = 1.0, betas: Tuple[float, float] = (0.9, 0.999),
                  beta3: Optional[float] = None, eps: float = 1e-8, weight_decay: float = 0, decouple: bool = True,
                  use_bias_correction: bool = False, safeguard_warmup: bool = False, d0: float = 1e-6,
                  d_coef: float = 1.0, growth_rate: float = float("inf"), fsdp_in_use: bool = False,
                  slice_p: int = 1, *, impl: str = "auto") -> None:
+        if not 0.0 < lr:  # the constructor's lr (a group added later may have lr=0)
+            raise ValueError("Invalid learning rate: {}".format(lr))
         if impl not in ("auto", "foreach"):
             raise ValueError(f"Prodigy: impl must be 'auto' or 'foreach' (no fused or native rule), got {impl!r}")
         super().__init__(params, dict(lr=lr, betas=betas, beta3=beta3, eps=eps, weight_decay=weight_decay,
@@ -297,10 +307,11 @@ class Prodigy(Optimizer):
 
     @classmethod
     def check_ranges(cls, group: Dict[str, Any]) -> None:
-        """prodigyopt's constructor checks, in its words (and ``slice_p >= 1``)."""
+        """prodigyopt's constructor checks, in its words, for every group (``lr >= 0``: a
+        group may have 0; the constructor's must be positive), ``beta3``, ``slice_p >= 1``."""
         if "d0" in group and not 0.0 < float(group["d0"]):
             raise ValueError("Invalid d0 value: {}".format(group["d0"]))
-        if "lr" in group and not 0.0 < float(group["lr"]):
+        if "lr" in group and not 0.0 <= float(group["lr"]):  # a group may have 0 (no first pass)
             raise ValueError("Invalid learning rate: {}".format(group["lr"]))
         if "eps" in group and not 0.0 < float(group["eps"]):
             raise ValueError("Invalid epsilon value: {}".format(group["eps"]))
@@ -314,6 +325,14 @@ class Prodigy(Optimizer):
             raise ValueError("Invalid beta3 value: {} (None or a number in [0, 1))".format(beta3))
         if "slice_p" in group and int(group["slice_p"]) < 1:
             raise ValueError("Invalid slice_p value: {} (must be >= 1)".format(group["slice_p"]))
+
+    @classmethod
+    def adapt_entry(cls, p: Tensor, entry: Any, group: Dict[str, Any]) -> Any:
+        p0 = entry.get("p0") if isinstance(entry, dict) else None
+        if isinstance(p0, Tensor) and p0.dim() == 0:  # prodigyopt's p0 of an all-zero parameter
+            shape = cls.slot_shape("p0", p, group)
+            entry = dict(entry, p0=p0.detach().to(p.dtype).expand(shape).clone())
+        return entry
 
     @classmethod
     def slot_shape(cls, name: str, p: Tensor, group: Any = None) -> Optional[Tuple[int, ...]]:

@@ -13,6 +13,8 @@ ZeRO-2's gradient shards (``_grads.GradShards``), the sharded state
 """
 from __future__ import annotations
 
+import functools
+
 import weakref
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
@@ -165,6 +167,11 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
                 f"partition={partition!r} cuts parameters into element ranges, which only funcopt's "
                 f"algorithms ({', '.join(registry.REGISTRY)}) can step; {optimizer_class.__qualname__} "
                 "runs eagerly over whole parameters: use partition='greedy'")
+        if overlap_with_ddp and self.spec is not None and (self.spec.cls.group_state or self.spec.cls.phases != 1):
+            raise ValueError(
+                f"overlap_with_ddp steps each DDP bucket's parameters separately inside backward, but "
+                f"{self.spec.name} keeps per-group counters (and Prodigy sums over every parameter) that "
+                f"advance once per step: use overlap_with_ddp=False (ZeRO-1/2 step after backward)")
         if self.spec is not None and self.spec.whole_params and partition != "greedy":
             raise ValueError(
                 f"partition={partition!r} cuts parameters into element ranges, but {self.spec.name}'s update "
@@ -318,6 +325,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
             return self.optimizer_class(groups, **self._optim_defaults)
         opt, self._scripted = _local.scripted_or_eager(lambda: self.spec.cls(groups, impl=self._impl),
                                                        "ZeroRedundancyOptimizer")
+        if self.spec.cls.phases == 2:  # Prodigy: its sums run over every rank's shard
+            opt.sum_partials = functools.partial(_comm.all_sum, group=self.process_group)
         return opt
 
     @staticmethod
@@ -376,6 +385,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
                     self._sync.refresh_mine(params)
                     self._sync_groups(self.param_groups, local.param_groups)
                     local.step(grads, **kwargs)  # checks the hyperparameters first: refused, nothing stepped
+                    _comm.group_state_back(local, self.param_groups)  # step counters, d... (the same on every rank)
         # a consolidated state is of the past now (not before: a refused step changes nothing)
         self._consolidated, self._all_state_dicts = False, None
         with record_function("funcopt::zero/sync_params"), torch.no_grad():
@@ -385,6 +395,32 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
                 self._sync.sync(params, updated_in_place=self._eager)
         self._show_state(has_state=True, force=False)
         return loss
+
+    # -------------------------------------------------------- train / eval
+    def train(self) -> None:
+        """Train mode (Schedule-Free: the parameters become the interpolated point y).
+        Each rank swaps its shard, then every rank gets every shard.  Collective.  A
+        no-op for algorithms without modes (frameworks call it whenever it exists)."""
+        self._set_mode(True)
+
+    def eval(self) -> None:
+        """Eval mode (Schedule-Free: the parameters become the average x); see :meth:`train`."""
+        self._set_mode(False)
+
+    def _set_mode(self, train: bool) -> None:
+        if self.spec is None or not self.spec.cls.has_modes:
+            return
+        if self.overlap_with_ddp and self._overlap is not None:
+            self._overlap.wait_all()
+        self._sync.wait_all()
+        params = self._params()
+        local = self._state.optim
+        with record_function("funcopt::zero/mode"), torch.no_grad():
+            self._sync.refresh_mine(params)
+            local.train() if train else local.eval()
+            _comm.group_state_back(local, self.param_groups)
+            self._sync.sync(params, updated_in_place=False)
+        self._consolidated, self._all_state_dicts = False, None
 
     # ------------------------------------------------------ sync in forward
     def sync_in_forward(self, module: torch.nn.Module) -> Any:

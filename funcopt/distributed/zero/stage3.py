@@ -205,6 +205,8 @@ class Zero3Layer(nn.Module):
             self.trainable_chunk = nn.Parameter(t.clone(), requires_grad=True)
             # several parameters' elements: a funcopt rule that needs each parameter whole refuses it
             self.trainable_chunk.funcopt_flat_chunk = True  # type: ignore[attr-defined]
+            # the ranks holding the other chunks: a rule summing over every parameter (Prodigy) sums here
+            self.trainable_chunk.funcopt_process_group = self.process_group  # type: ignore[attr-defined]
         else:
             self.register_parameter("trainable_chunk", None)
         if cf:
