@@ -81,6 +81,12 @@ class ProdigyKernel:
         self.d_numerator = 0.0
         self.numerator = 0.0
         self.denominator = 0.0
+        # under torch.compile (no host reads: fullgraph): the same quantities as 0-d float64 tensors
+        self.gt = torch.zeros(6, dtype=torch.float64)  # the first group's values
+        self.sums = torch.zeros(2, dtype=torch.float64)  # numerator, denominator of the first pass
+        self.d_t = torch.zeros((), dtype=torch.float64)  # d after combine
+        self.dlr_t = torch.zeros((), dtype=torch.float64)  # this step's dlr (the old d)
+        self.keep_t = torch.ones((), dtype=torch.float64)  # 0.0: the step stopped after its first pass
 
     # ------------------------------------------------------------ GroupRule
     def group(self, gs: Tensor, h: Dict[str, float]) -> None:
@@ -90,6 +96,12 @@ class ProdigyKernel:
             self.stop = False
             self.lrs = torch.jit.annotate(List[float], [])
             self.first_h = h
+            if torch.compiler.is_compiling():
+                self.gt = gs
+                self.sums = torch.zeros(2, dtype=torch.float64)
+                self.lrs.append(h["lr"])
+                self.last_d0 = h["d0"]
+                return
             vals: List[float] = gs.tolist()
             self.k0 = vals[0]
             self.d = vals[1]
@@ -111,6 +123,8 @@ class ProdigyKernel:
         pass
 
     def partial(self, groups: List[Tensor]) -> Tensor:
+        if torch.compiler.is_compiling():
+            return self.sums.clone()
         out = torch.zeros(2, dtype=torch.float64)
         out[0].fill_(self.numerator)  # (not torch.tensor(list): TorchScript rounds it through float32)
         out[1].fill_(self.denominator)
@@ -118,6 +132,9 @@ class ProdigyKernel:
 
     def combine(self, groups: List[Tensor], total: Tensor) -> None:
         self.fresh = True
+        if torch.compiler.is_compiling():
+            self._combine_tensors(groups, total)
+            return
         sums: List[float] = total.tolist()
         h = self.first_h
         lr = self._lr()
@@ -146,6 +163,88 @@ class ProdigyKernel:
             gs[4].fill_(d_denom)
             gs[5].fill_(d_hat)
         self.second = True
+
+    @torch.jit.unused
+    def _combine_tensors(self, groups: List[Tensor], total: Tensor) -> None:
+        """:meth:`combine` without host reads (torch.compile): the stop on a zero
+        denominator as a mask (``keep_t``) on every update."""
+        h = self.first_h
+        gt = self.gt
+        den = total[1]
+        keep = den != 0
+        safe = torch.where(keep, den, torch.ones_like(den))
+        d = gt[1]
+        d_numerator = gt[3] * self._beta3(h)
+        d_hat = d
+        d_max = gt[2]
+        if self._lr() > 0.0:
+            d_numerator = d_numerator + total[0]
+            d_hat = h["d_coef"] * d_numerator / safe
+            d = torch.where(d == self.last_d0, torch.maximum(d, d_hat), d)
+            d_max = torch.maximum(d_max, d_hat)
+            d = torch.minimum(d_max, d * h["growth_rate"])
+        self.d_t = torch.where(keep, d, gt[1])
+        self.keep_t = keep.to(torch.float64)
+        for gs in groups:
+            new = torch.stack([gs[0] + 1.0, d, d_max, d_numerator, den, d_hat])
+            gs.copy_(torch.where(keep, new, gs))
+        self.second = True
+
+    @torch.jit.unused
+    def _dense_tensors(self, params: List[Tensor], grads: List[Tensor], state: List[List[Tensor]],
+                       h: Dict[str, float]) -> None:
+        """Both passes without host reads (torch.compile): every step-dependent scalar a
+        0-d float64 tensor, foreach ops with tensor operands (rounding may differ from eager)."""
+        h0 = self.first_h
+        beta1 = h0["betas0"]
+        beta2 = h0["betas1"]
+        gt = self.gt
+        decay = h["weight_decay"]
+        decouple = h["decouple"] != 0.0
+        if decay != 0 and not decouple:
+            grads = torch._foreach_add(grads, params, alpha=decay)
+        if not self.second:
+            k = gt[0]
+            bc = torch.ones((), dtype=torch.float64)
+            if h0["use_bias_correction"] != 0.0:
+                bc = torch.sqrt(1 - torch.pow(beta2, k + 1)) / (1 - torch.pow(beta1, k + 1))
+            d = gt[1]
+            dlr = d * self._lr() * bc
+            self.dlr_t = dlr
+            if h["lr"] <= 0.0:
+                return
+            d0 = h["d0"]
+            sp = int(h["slice_p"])
+            num = self.sums[0]
+            for j in range(len(params)):
+                sg = _strided(grads[j], sp)
+                num = num + (d / d0) * dlr * torch.dot(sg, state[2][j] - _strided(params[j], sp)).to(torch.float64)
+            if beta1 > 0:
+                torch._foreach_mul_(state[3], beta1)
+                torch._foreach_add_(state[3], torch._foreach_mul(grads, d * (1 - beta1)))
+            torch._foreach_mul_(state[4], beta2)
+            torch._foreach_addcmul_(state[4], torch._foreach_mul(grads, d * d * (1 - beta2)), grads)
+            torch._foreach_mul_(state[1], self._beta3(h0))
+            alpha = (d / d0) * d if h["safeguard_warmup"] != 0.0 else (d / d0) * dlr
+            torch._foreach_add_(state[1], torch._foreach_mul([_strided(g, sp) for g in grads], alpha))
+            den = self.sums[1]
+            for t in state[1]:
+                den = den + t.abs().sum().to(torch.float64)
+            self.sums = torch.stack([num, den])
+            return
+        d = self.d_t
+        dlr = self.dlr_t * self.keep_t
+        denom = torch._foreach_sqrt(state[4])
+        torch._foreach_add_(denom, d * h["eps"])
+        if decay != 0 and decouple:
+            torch._foreach_add_(params, torch._foreach_mul(params, -decay * dlr))
+        if beta1 > 0:
+            upd = torch._foreach_div(state[3], denom)
+            torch._foreach_mul_(upd, -dlr)
+        else:
+            upd = torch._foreach_div(grads, denom)
+            torch._foreach_mul_(upd, -dlr * d)
+        torch._foreach_add_(params, upd)
 
     # --------------------------------------------------------------- Kernel
     def init(self, p: Tensor, fused: bool, h: Dict[str, float]) -> List[Tensor]:
@@ -177,6 +276,9 @@ class ProdigyKernel:
               h: Dict[str, float], fused: bool, first: bool, grad_scale: Optional[Tensor],
               found_inf: Optional[Tensor]) -> None:
         if self.stop:
+            return
+        if torch.compiler.is_compiling():
+            self._dense_tensors(params, grads, state, h)
             return
         h0 = self.first_h
         beta1 = h0["betas0"]
