@@ -25,10 +25,22 @@ evaluating or saving).  At step :math:`k = 1, 2, \dots` of a param group, with
 
 Group state (the oracle's ``param_groups`` keys): ``k``, ``train_mode``,
 ``weight_sum``, ``lr_max``, ``scheduled_lr``; per-parameter state ``z`` (a copy
-of the parameter at its first gradient) and, for AdamW, ``exp_avg_sq``.  The
-same foreach ops in the oracle's order (bitwise equal in eager float32/float64),
-except that funcopt never writes into the caller's gradients (the oracle
-divides ``p.grad`` in place).  Sparse gradients are refused.
+of the parameter at its first gradient) and, for AdamW, ``exp_avg_sq``.
+
+Oracle: ``schedulefree`` 1.4.1 (a test-only dependency): the same foreach ops
+in its order, bitwise equal in eager and scripted float32/float64 (under
+torch.compile the per-step scalars are tensors: equal to rounding).
+Differences, by decision: funcopt never writes into the caller's gradients
+(the oracle divides ``p.grad`` in place, and adds SGD's decay to it); a param
+group added by ``add_param_group`` starts in the optimizer's current mode (the
+oracle's starts in eval mode, which its next ``eval()`` then skips); every
+group's mode is checked before a step (the oracle checks group 0's); the
+oracle's ``foreach`` is recorded, but the default ``impl="auto"`` runs the
+foreach formula cache-blocked either way (the same numbers); complex
+parameters are stepped through real views, as torch.optim does (the oracle's
+AdamW squares a complex gradient as a complex number); the oracle's
+``train()``/``eval()`` leave an empty state entry for a parameter that has had
+no gradient yet, funcopt none.  Sparse gradients are refused.
 """
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -77,9 +89,11 @@ def schedule(gs: Tensor, lr: float, warmup_steps: float, r: float, weight_lr_pow
     gs[4].fill_(lr_k)
 
 
-def _host_scalars(gs: Tensor, r: float, weight_lr_power: float) -> Tuple[float, float, float]:
-    """(k, scheduled lr, averaging coefficient c) of this step, from the group
-    vector after :func:`schedule`: the oracle's Python-float arithmetic."""
+def step_scalars(gs: Tensor, r: float, weight_lr_power: float) -> Tuple[float, float, float]:
+    """``(k, lr, c)`` of this step from a group's vector after :func:`schedule`:
+    the step count, the scheduled lr and the averaging coefficient
+    ``c = k^r lr_max^weight_lr_power / weight_sum`` (0 while ``weight_sum`` is
+    0), in the oracle's Python-float arithmetic."""
     v: List[float] = gs.tolist()
     k = v[0]
     weight = (k ** r) * (v[3] ** weight_lr_power)
@@ -87,54 +101,50 @@ def _host_scalars(gs: Tensor, r: float, weight_lr_power: float) -> Tuple[float, 
     return k, v[4], ckp1
 
 
-def _tensor_scalars(gs: Tensor, r: float, weight_lr_power: float, like: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
-    """:func:`_host_scalars` as 0-d tensors (torch.compile), ``lr`` and ``c`` in
-    ``like``'s dtype and on its device."""
+def tensor_scalars(gs: Tensor, r: float, weight_lr_power: float, beta2: float, like: Tensor) -> Tensor:
+    """``(lr, c, 1 - beta2^k)`` of :func:`step_scalars` as one tensor in
+    ``like``'s dtype and on its device, with no host read (torch.compile)."""
     k = gs[0]
     weight = k ** r * gs[3] ** weight_lr_power
     ws = gs[2]
     ckp1 = torch.where(ws != 0.0, weight / torch.where(ws != 0.0, ws, 1.0), 0.0)
-    return k, gs[4].to(like.device, like.dtype), ckp1.to(like.device, like.dtype)
+    return torch.stack([gs[4], ckp1, 1 - beta2 ** k]).to(like.device, like.dtype)
 
 
 def _average_and_step(params: List[Tensor], zs: List[Tensor], grads: List[Tensor], lr: float, ckp1: float,
-                      beta: float) -> None:
+                      beta: float, scalars: Optional[Tensor]) -> None:
     # y moves towards z (the new average), then along the step; z takes the plain step
+    if scalars is not None:
+        lr_t, ckp1_t = scalars[0], scalars[1]
+        torch._foreach_lerp_(params, zs, [ckp1_t for _ in params])
+        torch._foreach_add_(params, torch._foreach_mul(grads, lr_t * (beta * (1 - ckp1_t) - 1)))
+        torch._foreach_sub_(zs, torch._foreach_mul(grads, lr_t))
+        return
     torch._foreach_lerp_(params, zs, ckp1)
     torch._foreach_add_(params, grads, alpha=lr * (beta * (1 - ckp1) - 1))
     torch._foreach_sub_(zs, grads, alpha=lr)
-
-
-def _average_and_step_compiled(params: List[Tensor], zs: List[Tensor], grads: List[Tensor], lr: Tensor,
-                               ckp1: Tensor, beta: float) -> None:
-    torch._foreach_lerp_(params, zs, [ckp1 for _ in params])
-    torch._foreach_add_(params, torch._foreach_mul(grads, lr * (beta * (1 - ckp1) - 1)))
-    torch._foreach_sub_(zs, torch._foreach_mul(grads, lr))
 
 
 def sgd_schedulefree(
     params: List[Tensor],
     grads: List[Tensor],
     zs: List[Tensor],
-    gs: Tensor,
+    lr: float,
+    ckp1: float,
     momentum: float,
     weight_decay: float,
-    r: float,
-    weight_lr_power: float,
+    scalars: Optional[Tensor] = None,
 ) -> None:
-    """Functional Schedule-Free SGD over aligned tensor lists (parameters in
-    train mode, i.e. holding ``y``), in place; ``gs`` is the group's vector
-    after this step's :func:`schedule`.  Never writes into ``grads``' tensors."""
+    """Functional Schedule-Free SGD over aligned tensor lists, in place: the
+    parameters hold ``y`` (train mode), ``zs`` the base iterates; ``lr`` and
+    ``ckp1`` (``c``) are this step's (:func:`step_scalars`), or, as a tensor
+    ``scalars`` (:func:`tensor_scalars`), under torch.compile.  Never writes
+    into ``grads``' tensors."""
     if len(params) == 0:
         return
     if weight_decay != 0:
         grads = torch._foreach_add(grads, params, alpha=weight_decay)
-    if torch.compiler.is_compiling():
-        _, lr_t, ckp1_t = _tensor_scalars(gs, r, weight_lr_power, params[0])
-        _average_and_step_compiled(params, zs, grads, lr_t, ckp1_t, momentum)
-        return
-    _, lr, ckp1 = _host_scalars(gs, r, weight_lr_power)
-    _average_and_step(params, zs, grads, lr, ckp1, momentum)
+    _average_and_step(params, zs, grads, lr, ckp1, momentum, scalars)
 
 
 def adamw_schedulefree(
@@ -142,40 +152,35 @@ def adamw_schedulefree(
     grads: List[Tensor],
     zs: List[Tensor],
     exp_avg_sqs: List[Tensor],
-    gs: Tensor,
+    lr: float,
+    ckp1: float,
+    bias_correction2: float,
     beta1: float,
     beta2: float,
     eps: float,
     weight_decay: float,
-    r: float,
-    weight_lr_power: float,
+    scalars: Optional[Tensor] = None,
 ) -> None:
-    """Functional Schedule-Free AdamW over aligned tensor lists (parameters in
-    train mode, i.e. holding ``y``), in place; ``gs`` is the group's vector
-    after this step's :func:`schedule`.  Never writes into ``grads``' tensors."""
+    """Functional Schedule-Free AdamW over aligned tensor lists, in place: the
+    parameters hold ``y`` (train mode), ``zs`` the base iterates; ``lr``,
+    ``ckp1`` (``c``) and ``bias_correction2`` (``1 - beta2^k``) are this
+    step's (:func:`step_scalars`), or, as a tensor ``scalars``
+    (:func:`tensor_scalars`), under torch.compile.  Never writes into
+    ``grads``' tensors."""
     if len(params) == 0:
         return
     torch._foreach_mul_(exp_avg_sqs, beta2)
     torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
-    if torch.compiler.is_compiling():
-        k_t, lr_t, ckp1_t = _tensor_scalars(gs, r, weight_lr_power, params[0])
-        bc2 = (1 - beta2 ** k_t).to(params[0].device, params[0].dtype)
-        denom = torch._foreach_div(exp_avg_sqs, bc2)
-        torch._foreach_sqrt_(denom)
-        torch._foreach_add_(denom, eps)
-        grads = torch._foreach_div(grads, denom)
-        if weight_decay != 0:
-            torch._foreach_add_(grads, params, alpha=weight_decay)
-        _average_and_step_compiled(params, zs, grads, lr_t, ckp1_t, beta1)
-        return
-    k, lr, ckp1 = _host_scalars(gs, r, weight_lr_power)
-    denom = torch._foreach_div(exp_avg_sqs, 1 - beta2 ** k)
+    if scalars is not None:
+        denom = torch._foreach_div(exp_avg_sqs, scalars[2])
+    else:
+        denom = torch._foreach_div(exp_avg_sqs, bias_correction2)
     torch._foreach_sqrt_(denom)
     torch._foreach_add_(denom, eps)
     grads = torch._foreach_div(grads, denom)
     if weight_decay != 0:
         torch._foreach_add_(grads, params, alpha=weight_decay)  # decay at y
-    _average_and_step(params, zs, grads, lr, ckp1, beta1)
+    _average_and_step(params, zs, grads, lr, ckp1, beta1, scalars)
 
 
 def swap(params: List[Tensor], zs: List[Tensor], gs: Tensor, beta: float, train: bool) -> None:
@@ -216,9 +221,18 @@ class AdamWScheduleFreeKernel:
     def dense(self, params: List[Tensor], grads: List[Tensor], state: List[List[Tensor]],
               h: Dict[str, float], fused: bool, first: bool, grad_scale: Optional[Tensor],
               found_inf: Optional[Tensor]) -> None:
+        if len(params) == 0:
+            return
         gs = state[len(state) - 1][0]
-        adamw_schedulefree(params, grads, state[0], state[1], gs, h["betas0"], h["betas1"], h["eps"],
-                           h["weight_decay"], h["r"], h["weight_lr_power"])
+        beta2 = h["betas1"]
+        if torch.compiler.is_compiling():  # no host reads
+            sc = tensor_scalars(gs, h["r"], h["weight_lr_power"], beta2, params[0])
+            adamw_schedulefree(params, grads, state[0], state[1], 0.0, 0.0, 1.0, h["betas0"], beta2, h["eps"],
+                               h["weight_decay"], sc)
+            return
+        k, lr, ckp1 = step_scalars(gs, h["r"], h["weight_lr_power"])
+        adamw_schedulefree(params, grads, state[0], state[1], lr, ckp1, 1 - beta2 ** k, h["betas0"], beta2,
+                           h["eps"], h["weight_decay"])
 
     def single(self, params: List[Tensor], grads: List[Tensor], state: List[List[Tensor]],
                h: Dict[str, float], first: bool) -> List[List[Tensor]]:
@@ -256,9 +270,15 @@ class SGDScheduleFreeKernel:
     def dense(self, params: List[Tensor], grads: List[Tensor], state: List[List[Tensor]],
               h: Dict[str, float], fused: bool, first: bool, grad_scale: Optional[Tensor],
               found_inf: Optional[Tensor]) -> None:
+        if len(params) == 0:
+            return
         gs = state[len(state) - 1][0]
-        sgd_schedulefree(params, grads, state[0], gs, h["momentum"], h["weight_decay"], h["r"],
-                         h["weight_lr_power"])
+        if torch.compiler.is_compiling():  # no host reads
+            sc = tensor_scalars(gs, h["r"], h["weight_lr_power"], 0.0, params[0])
+            sgd_schedulefree(params, grads, state[0], 0.0, 0.0, h["momentum"], h["weight_decay"], sc)
+            return
+        _, lr, ckp1 = step_scalars(gs, h["r"], h["weight_lr_power"])
+        sgd_schedulefree(params, grads, state[0], lr, ckp1, h["momentum"], h["weight_decay"])
 
     def single(self, params: List[Tensor], grads: List[Tensor], state: List[List[Tensor]],
                h: Dict[str, float], first: bool) -> List[List[Tensor]]:
@@ -278,6 +298,32 @@ class SGDScheduleFreeKernel:
 
 
 _GROUP_STATE = (("k", 0), ("train_mode", False), ("weight_sum", 0.0), ("lr_max", -1.0), ("scheduled_lr", 0.0))
+
+
+def _refuse(msg: str, key: str, value: Any) -> None:
+    raise ValueError(f"{msg} ({key}={value!r})")
+
+
+def _check_sgd_ranges(group: Dict[str, Any]) -> None:
+    """The oracle's own checks (``schedulefree.SGDScheduleFree``'s constructor, its
+    words), the key and value appended; also on a param_groups edit and a load."""
+    if "lr" in group and group["lr"] < 0.0:
+        _refuse("Invalid learning rate: {}".format(group["lr"]), "lr", group["lr"])
+    if "weight_decay" in group and group["weight_decay"] < 0.0:
+        _refuse("Invalid weight_decay value: {}".format(group["weight_decay"]), "weight_decay", group["weight_decay"])
+    if "momentum" in group and (group["momentum"] <= 0 or group["momentum"] >= 1):
+        _refuse("Momentum must be between 0 and 1 exclusive: {}".format(group["momentum"]), "momentum",
+                group["momentum"])
+
+
+def _auto_despite_foreach(opt: Optimizer, impl: str) -> None:
+    """The oracle's ``foreach`` defaults to True, which funcopt's base class
+    reads as ``impl="foreach"``: here it chooses nothing (the oracle's two
+    paths and funcopt's are the same numbers), so ``impl="auto"`` stays
+    "auto" (cache-blocked on the CPU)."""
+    if impl == "auto" and opt.impl == "foreach":
+        opt.impl = "auto"
+        opt._build_core({})
 
 
 class _Modes:
@@ -334,7 +380,8 @@ class AdamWScheduleFree(_Modes, Optimizer):
       lr: learning rate (default ``0.0025``).
       betas: ``(beta1, beta2)``: the interpolation between the average and
         the base iterate (``beta1``) and the decay of the second moment
-        (default ``(0.9, 0.999)``).
+        (default ``(0.9, 0.999)``).  As the oracle, no range is checked
+        (``eval()`` divides by ``beta1``).
       eps: added to the denominator (default ``1e-8``).
       weight_decay: added to the normalized gradient as ``weight_decay * y``
         (default ``0``).
@@ -342,10 +389,12 @@ class AdamWScheduleFree(_Modes, Optimizer):
       r: the averaging weight of step ``k`` grows as ``k^r`` (default ``0``).
       weight_lr_power: the averaging weight also scales with
         ``max lr so far ^ weight_lr_power`` (default ``2``; ``0``: no weighting).
-      foreach: accepted for the oracle's signature; ``foreach=True`` (its
-        default) means ``impl="foreach"``.
+      foreach: the oracle's switch between its for-loop and foreach code
+        (default ``True``), recorded in param_groups; both are the same
+        numbers, and so is every ``impl`` of funcopt's.
       impl: ``"auto"`` (the foreach formula, cache-blocked on the CPU) or
-        ``"foreach"`` (the oracle's call sequence); there is no fused kernel.
+        ``"foreach"`` (one foreach call sequence per bucket, the oracle's);
+        there is no fused kernel.
 
     Example::
 
@@ -388,16 +437,7 @@ class AdamWScheduleFree(_Modes, Optimizer):
                                       train_mode=False, weight_sum=0.0, lr_max=-1.0, scheduled_lr=0.0,
                                       weight_lr_power=weight_lr_power, weight_decay=weight_decay,
                                       foreach=foreach), impl)
-
-
-def _check_sgd_ranges(group: Dict[str, Any]) -> None:
-    """The oracle's own checks (``schedulefree.SGDScheduleFree``'s constructor), its words."""
-    if "lr" in group and group["lr"] < 0.0:
-        raise ValueError("Invalid learning rate: {}".format(group["lr"]))
-    if "weight_decay" in group and group["weight_decay"] < 0.0:
-        raise ValueError("Invalid weight_decay value: {}".format(group["weight_decay"]))
-    if "momentum" in group and (group["momentum"] <= 0 or group["momentum"] >= 1):
-        raise ValueError("Momentum must be between 0 and 1 exclusive: {}".format(group["momentum"]))
+        _auto_despite_foreach(self, impl)
 
 
 class SGDScheduleFree(_Modes, Optimizer):
@@ -421,10 +461,12 @@ class SGDScheduleFree(_Modes, Optimizer):
       r: the averaging weight of step ``k`` grows as ``k^r`` (default ``0``).
       weight_lr_power: the averaging weight also scales with
         ``max lr so far ^ weight_lr_power`` (default ``2``; ``0``: no weighting).
-      foreach: accepted for the oracle's signature; ``foreach=True`` (its
-        default) means ``impl="foreach"``.
+      foreach: the oracle's switch between its for-loop and foreach code
+        (default ``True``), recorded in param_groups; both are the same
+        numbers, and so is every ``impl`` of funcopt's.
       impl: ``"auto"`` (the foreach formula, cache-blocked on the CPU) or
-        ``"foreach"`` (the oracle's call sequence); there is no fused kernel.
+        ``"foreach"`` (one foreach call sequence per bucket, the oracle's);
+        there is no fused kernel.
 
     Example::
 
@@ -459,3 +501,4 @@ class SGDScheduleFree(_Modes, Optimizer):
                                       train_mode=False, weight_sum=0.0, lr_max=-1.0, scheduled_lr=0.0,
                                       weight_lr_power=weight_lr_power, weight_decay=weight_decay,
                                       foreach=foreach), impl)
+        _auto_despite_foreach(self, impl)
