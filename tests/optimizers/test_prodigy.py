@@ -114,6 +114,14 @@ def test_matches_prodigyopt(kw, dtype, scripted, capsys):
     _assert_same(fo, ro, fp, rp)
 
 
+@pytest.mark.parametrize("kw", [dict(beta3=0.9, growth_rate=1.02), dict(d_coef=0.5, growth_rate=float("inf")),
+                                dict(d0=1e-3, beta3=0.5, eps=1e-4, weight_decay=0.1)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_options_beyond_the_registry_grid(kw, dtype, capsys):
+    fo, ro, fp, rp = _run(kw, dtype, False)
+    _assert_same(fo, ro, fp, rp)
+
+
 @pytest.mark.parametrize("scripted", [False, True])
 def test_groups_one_with_lr_zero(scripted, capsys):
     """d is one estimate over every group; a group with lr=0 takes no first pass (the oracle's rule)."""
