@@ -30,7 +30,10 @@ of the parameter at its first gradient) and, for AdamW, ``exp_avg_sq``.
 Oracle: ``schedulefree`` 1.4.1 (a test-only dependency): the same foreach ops
 in its order, bitwise equal in eager and scripted float32/float64 (under
 torch.compile the per-step scalars are tensors: equal to rounding).
-Differences, by decision: funcopt never writes into the caller's gradients
+Differences, by decision: funcopt starts in train mode (the oracle starts in
+eval mode and refuses to step until ``train()`` is called: the call its docs
+ask for first, a no-op here, so code written for the oracle runs unchanged,
+and frameworks that never call ``train()`` -- Lightning -- step); funcopt never writes into the caller's gradients
 (the oracle divides ``p.grad`` in place, and adds SGD's decay to it); a param
 group added by ``add_param_group`` starts in the optimizer's current mode (the
 oracle's starts in eval mode, which its next ``eval()`` then skips); every
@@ -297,7 +300,7 @@ class SGDScheduleFreeKernel:
         pass
 
 
-_GROUP_STATE = (("k", 0), ("train_mode", False), ("weight_sum", 0.0), ("lr_max", -1.0), ("scheduled_lr", 0.0))
+_GROUP_STATE = (("k", 0), ("train_mode", True), ("weight_sum", 0.0), ("lr_max", -1.0), ("scheduled_lr", 0.0))
 
 
 def _refuse(msg: str, key: str, value: Any) -> None:
@@ -434,7 +437,7 @@ class AdamWScheduleFree(_Modes, Optimizer):
                  weight_decay: float = 0, warmup_steps: int = 0, r: float = 0.0, weight_lr_power: float = 2.0,
                  foreach: Optional[bool] = hasattr(torch, "_foreach_mul_"), *, impl: str = "auto") -> None:
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, r=r, k=0, warmup_steps=warmup_steps,
-                                      train_mode=False, weight_sum=0.0, lr_max=-1.0, scheduled_lr=0.0,
+                                      train_mode=True, weight_sum=0.0, lr_max=-1.0, scheduled_lr=0.0,
                                       weight_lr_power=weight_lr_power, weight_decay=weight_decay,
                                       foreach=foreach), impl)
         _auto_despite_foreach(self, impl)
@@ -498,7 +501,7 @@ class SGDScheduleFree(_Modes, Optimizer):
                  warmup_steps: int = 0, r: float = 0.0, weight_lr_power: float = 2,
                  foreach: Optional[bool] = hasattr(torch, "_foreach_mul_"), *, impl: str = "auto") -> None:
         super().__init__(params, dict(lr=lr, momentum=momentum, r=r, k=0, warmup_steps=warmup_steps,
-                                      train_mode=False, weight_sum=0.0, lr_max=-1.0, scheduled_lr=0.0,
+                                      train_mode=True, weight_sum=0.0, lr_max=-1.0, scheduled_lr=0.0,
                                       weight_lr_power=weight_lr_power, weight_decay=weight_decay,
                                       foreach=foreach), impl)
         _auto_despite_foreach(self, impl)
