@@ -71,6 +71,14 @@ class _Stepper:
                 "(needs_all_grads); stepping each bucket as its gradients arrive would change the "
                 "result. Call backward() and then step()."
             )
+        cls = type(self.opt)
+        if getattr(cls, "group_state", ()) or getattr(cls, "phases", 1) != 1:
+            raise ValueError(
+                f"{self.who}: {cls.__name__} keeps per-group values that advance once per step (its step "
+                "counter" + (", and a sum over every parameter" if getattr(cls, "phases", 1) != 1 else "")
+                + "); a step per bucket inside backward would advance them once per bucket. Call backward() "
+                "and then step()."
+            )
         mine = getattr(self, "_guard", None)
         hooks = [k for k in getattr(self.opt, "_optimizer_step_pre_hooks", {})
                  if mine is None or k != mine.id]

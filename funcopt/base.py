@@ -262,6 +262,9 @@ class Optimizer(torch.optim.Optimizer):
     # kernel's GroupRule methods update (funcopt/optimizers/_core.py); written back into
     # param_groups after each step, a user's (or load_state_dict's) change pushed before the next
     group_state: Tuple[Tuple[str, Any], ...] = ()
+    # more elements of each group's vector, after group_state's: the rule's own per-step
+    # values (Prodigy's d of the step's start, its partial sums), never in param_groups
+    group_hidden: int = 0
     # 2: a sum over every parameter between two passes of the step (Prodigy's d): the core's
     # begin / GroupRule.partial / finish; ``sum_partials`` (a distributed layer's all-reduce)
     # adds the partial sums up across ranks
@@ -516,7 +519,7 @@ class Optimizer(torch.optim.Optimizer):
             for g, group in enumerate(self.param_groups):
                 for name, init in self.group_state:
                     group.setdefault(name, init)
-                vals = self._group_values(g, group)
+                vals = self._group_values(g, group) + [0.0] * self.group_hidden
                 slots.set_group(g, torch.tensor(vals, dtype=torch.float64))
                 self._group_seen.append(tuple(group[name] for name, _ in self.group_state))
         self._hyper_cache = hyper
@@ -637,6 +640,7 @@ class Optimizer(torch.optim.Optimizer):
             if not self._native:
                 if not self._scripted:
                     _compile_kernel_class(type(self._core.kernel))
+                    _compile_kernel_class(type(self._core.rule))  # NoGroups, or the kernel itself
                 return self._core
             if self._portable is None:
                 # the same slots, stepped with the foreach formula: ATen ops only
@@ -649,6 +653,7 @@ class Optimizer(torch.optim.Optimizer):
                 else:
                     _compile_kernel_class(self.kernel_class)
                     self._portable = self._make_core(self._slots, self.kernel_class())
+                    _compile_kernel_class(type(self._portable.rule))
             return self._portable
 
     @property
@@ -825,7 +830,7 @@ class Optimizer(torch.optim.Optimizer):
             now = tuple(group.get(name, init) for name, init in self.group_state)
             if now != seen:
                 vals = self._group_values(g, dict(group, **{n: v for (n, _), v in zip(self.group_state, now)}))
-                slots.get_group(g).copy_(torch.tensor(vals, dtype=torch.float64))
+                slots.get_group(g)[:len(vals)].copy_(torch.tensor(vals, dtype=torch.float64))
                 self._group_seen[g] = now
 
     def _set_mode(self, train: bool) -> None:

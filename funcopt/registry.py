@@ -275,6 +275,8 @@ def _takes(torch_cls: type, shape: tuple, dtype: torch.dtype, base: tuple) -> bo
     p = torch.zeros(shape, dtype=dtype, requires_grad=True)
     try:
         opt = torch_cls([p], **dict(base))
+        if callable(getattr(opt, "train", None)):  # Schedule-Free's oracle steps in train mode only
+            opt.train()
         p.grad = torch.ones_like(p)
         opt.step()
     except (RuntimeError, ValueError, TypeError, ZeroDivisionError, NotImplementedError):

@@ -119,11 +119,12 @@ class GroupRule:
     is the group's ``gs`` (read ``state[len(state) - 1][0]``; written only in
     ``group``/``combine``/``mode``).
     """
-    def group(self, gs: Tensor, h: Dict[str, float]) -> None:
-        """Once per param group per step -- every group, also one without a
-        gradient this step (as the oracles bump ``group['step']``), after the
-        step's checks and before its buckets; not on a step AMP skips.
-        Updates ``gs`` in place; may raise (before any tensor changed)."""
+    def group(self, groups: List[Tensor], hs: List[Dict[str, float]]) -> None:
+        """Once per step, over every param group (``groups[g]`` its vector,
+        ``hs[g]`` its hyperparameters) -- also groups without a gradient this
+        step, as the oracles bump ``group['step']`` -- after the step's checks
+        and before its buckets; not on a step AMP skips.  Updates the vectors
+        in place; may raise, before it changes any of them."""
         pass
 
     def mode(self, params: List[Tensor], state: List[List[Tensor]], h: Dict[str, float], train: bool) -> None:
@@ -154,7 +155,7 @@ class NoGroups:
     def __init__(self) -> None:
         self.name = "none"
 
-    def group(self, gs: Tensor, h: Dict[str, float]) -> None:
+    def group(self, groups: List[Tensor], hs: List[Dict[str, float]]) -> None:
         pass
 
     def mode(self, params: List[Tensor], state: List[List[Tensor]], h: Dict[str, float], train: bool) -> None:
@@ -378,12 +379,11 @@ class Core:
             self.kernel.check(s.params, idx[b], gs[b], h, odd[b])
 
     def _groups(self, found_inf: Optional[Tensor]) -> None:
-        """The kernel's ``group`` for every param group (not on a skipped step)."""
+        """The rule's ``group`` over every param group (not on a skipped step)."""
         if skip_step(found_inf):
             return
         s = self.slots
-        for g in range(len(s.hyper)):
-            self.rule.group(s.groups[g], s.hyper[g])
+        self.rule.group(s.groups, s.hyper)
 
     def _group_column(self, b: int, n: int) -> List[Tensor]:
         gv = self.slots.groups[self.slots.group_of[self.slots.buckets[b][0]]]

@@ -163,8 +163,9 @@ class ADOPTKernel:
               odd: bool) -> None:
         pass
 
-    def group(self, gs: Tensor, h: Dict[str, float]) -> None:
-        gs[0].add_(1.0)
+    def group(self, groups: List[Tensor], hs: List[Dict[str, float]]) -> None:
+        for gs in groups:  # group['step'] += 1
+            gs[0].add_(1.0)
 
     def mode(self, params: List[Tensor], state: List[List[Tensor]], h: Dict[str, float], train: bool) -> None:
         pass

@@ -60,6 +60,16 @@ def _strided(t: Tensor, slice_p: int) -> Tensor:
     return t.reshape(-1)[::slice_p]
 
 
+# each group's vector: group_state (0 k, 1 d, 2 d_max, 3 d_numerator, 4 d_denom, 5 d_hat), then
+# this step's values, the same in every group but the partial sums (group_hidden): written by
+# group() and combine(), read by dense() -- the kernel object holds nothing between calls (a
+# module scripted from an eager core may hold two copies of it, as Kernel and as GroupRule)
+# (as literals in the kernel: TorchScript reads no module globals) 6 phase (0 first pass, 1 second,
+# 2 stopped), 7 d at the step's start, 8 dlr, 9 the largest lr, 10-12 group 0's beta1, beta2, beta3,
+# 13 d_coef, 14 growth_rate, 15 the last group's d0, 16-17 this group's numerator and denominator
+_HIDDEN = 12
+
+
 class ProdigyKernel:
     """Prodigy for the shared core: slots step, s, p0, exp_avg (beta1 > 0),
     exp_avg_sq; group state k, d, d_max, d_numerator, d_denom, d_hat; two
@@ -67,184 +77,122 @@ class ProdigyKernel:
 
     def __init__(self) -> None:
         self.name = "Prodigy"
-        # one step's bookkeeping across group(), dense() and combine() calls
-        self.fresh = True  # the next group() starts a step
-        self.second = False  # dense() runs the second pass
-        self.stop = False  # the step ended after its first pass (denominator 0)
-        self.lrs = torch.jit.annotate(List[float], [])
-        self.first_h = torch.jit.annotate(Dict[str, float], {})
-        self.last_d0 = 1e-6
-        self.k0 = 0.0
-        self.d = 1e-6
-        self.d_old = 1e-6
-        self.d_max = 1e-6
-        self.d_numerator = 0.0
-        self.numerator = 0.0
-        self.denominator = 0.0
-        # under torch.compile (no host reads: fullgraph): the same quantities as 0-d float64 tensors
-        self.gt = torch.zeros(6, dtype=torch.float64)  # the first group's values
-        self.sums = torch.zeros(2, dtype=torch.float64)  # numerator, denominator of the first pass
-        self.d_t = torch.zeros((), dtype=torch.float64)  # d after combine
-        self.dlr_t = torch.zeros((), dtype=torch.float64)  # this step's dlr (the old d)
-        self.keep_t = torch.ones((), dtype=torch.float64)  # 0.0: the step stopped after its first pass
 
     # ------------------------------------------------------------ GroupRule
-    def group(self, gs: Tensor, h: Dict[str, float]) -> None:
-        if self.fresh:
-            self.fresh = False
-            self.second = False
-            self.stop = False
-            self.lrs = torch.jit.annotate(List[float], [])
-            self.first_h = h
-            if torch.compiler.is_compiling():
-                self.gt = gs
-                self.sums = torch.zeros(2, dtype=torch.float64)
-                self.lrs.append(h["lr"])
-                self.last_d0 = h["d0"]
-                return
-            vals: List[float] = gs.tolist()
-            self.k0 = vals[0]
-            self.d = vals[1]
-            self.d_old = vals[1]
-            self.d_max = vals[2]
-            self.d_numerator = vals[3]
-            self.numerator = 0.0
-            self.denominator = 0.0
-        lr = h["lr"]
-        for seen in self.lrs:
-            if lr != seen and lr != 0.0 and seen != 0.0:
-                self.fresh = True
+    def group(self, groups: List[Tensor], hs: List[Dict[str, float]]) -> None:
+        """The step's start: the oracle's values from group 0 (betas, beta3, d, k: its
+        dlr), the largest lr, the last group's d0 -- into every group's vector."""
+        lr = 0.0
+        for h in hs:
+            if h["lr"] != lr and h["lr"] != 0.0 and lr != 0.0:
                 raise RuntimeError("Prodigy: setting different lr values in different parameter groups is only "
                                    "supported for values of 0")
-        self.lrs.append(lr)
-        self.last_d0 = h["d0"]
+            lr = max(lr, h["lr"])
+        h0 = hs[0]
+        beta1 = h0["betas0"]
+        beta2 = h0["betas1"]
+        beta3 = h0.get("beta3", float("nan"))
+        if math.isnan(beta3):  # None: sqrt(beta2)  (not beta3 != beta3: TorchScript folds that to False)
+            beta3 = math.sqrt(beta2)
+        g0 = groups[0]
+        if torch.compiler.is_compiling():  # no host reads: the same arithmetic on 0-d tensors
+            k = g0[0]
+            bc = torch.ones((), dtype=torch.float64)
+            if h0["use_bias_correction"] != 0.0:
+                bc = torch.sqrt(1 - torch.pow(beta2, k + 1)) / (1 - torch.pow(beta1, k + 1))
+            dlr = g0[1] * lr * bc
+            for gs in groups:
+                gs[6:].copy_(torch.stack([torch.zeros((), dtype=torch.float64), g0[1], dlr] + [
+                    torch.full((), v, dtype=torch.float64)
+                    for v in [lr, beta1, beta2, beta3, h0["d_coef"], h0["growth_rate"], hs[-1]["d0"], 0.0, 0.0]]))
+            return
+        k = float(g0[0].item())
+        d = float(g0[1].item())
+        bc = 1.0
+        if h0["use_bias_correction"] != 0.0:
+            bc = ((1 - beta2 ** (k + 1)) ** 0.5) / (1 - beta1 ** (k + 1))
+        dlr = d * lr * bc
+        for gs in groups:  # element by element: TorchScript's torch.tensor(list) rounds through float32
+            gs[6].fill_(0.0)
+            gs[7].fill_(d)
+            gs[8].fill_(dlr)
+            gs[9].fill_(lr)
+            gs[10].fill_(beta1)
+            gs[11].fill_(beta2)
+            gs[12].fill_(beta3)
+            gs[13].fill_(h0["d_coef"])
+            gs[14].fill_(h0["growth_rate"])
+            gs[15].fill_(hs[len(hs) - 1]["d0"])  # the oracle compares d with its last group's d0
+            gs[16].fill_(0.0)
+            gs[17].fill_(0.0)
 
     def mode(self, params: List[Tensor], state: List[List[Tensor]], h: Dict[str, float], train: bool) -> None:
         pass
 
     def partial(self, groups: List[Tensor]) -> Tensor:
-        if torch.compiler.is_compiling():
-            return self.sums.clone()
-        out = torch.zeros(2, dtype=torch.float64)
-        out[0].fill_(self.numerator)  # (not torch.tensor(list): TorchScript rounds it through float32)
-        out[1].fill_(self.denominator)
+        out = groups[0][16:17 + 1].clone()
+        for gs in groups[1:]:
+            out = out + gs[16:17 + 1]
         return out
 
     def combine(self, groups: List[Tensor], total: Tensor) -> None:
-        self.fresh = True
+        g0 = groups[0]
         if torch.compiler.is_compiling():
             self._combine_tensors(groups, total)
             return
+        v: List[float] = g0.tolist()
         sums: List[float] = total.tolist()
-        h = self.first_h
-        lr = self._lr()
-        beta3 = self._beta3(h)
         d_denom = sums[1]
-        if d_denom == 0.0:
-            self.stop = True
+        if d_denom == 0.0:  # no gradient has moved s yet: the step ends here, as the oracle's
+            for gs in groups:
+                gs[6].fill_(2.0)
             return
-        d = self.d
-        d_max = self.d_max
-        d_numerator = self.d_numerator * beta3
+        d = v[1]
+        d_max = v[2]
+        d_numerator = v[3] * v[12]
         d_hat = d
-        if lr > 0.0:
+        if v[9] > 0.0:
             d_numerator = d_numerator + sums[0]
-            d_hat = h["d_coef"] * d_numerator / d_denom
-            if d == self.last_d0:
+            d_hat = v[13] * d_numerator / d_denom
+            if d == v[15]:
                 d = max(d, d_hat)
             d_max = max(d_max, d_hat)
-            d = min(d_max, d * h["growth_rate"])
-        self.d = d
-        for gs in groups:  # (element by element: TorchScript's torch.tensor(list) rounds through float32)
+            d = min(d_max, d * v[14])
+        for gs in groups:
             gs[0].add_(1.0)
             gs[1].fill_(d)
             gs[2].fill_(d_max)
             gs[3].fill_(d_numerator)
             gs[4].fill_(d_denom)
             gs[5].fill_(d_hat)
-        self.second = True
+            gs[6].fill_(1.0)
 
     @torch.jit.unused
     def _combine_tensors(self, groups: List[Tensor], total: Tensor) -> None:
         """:meth:`combine` without host reads (torch.compile): the stop on a zero
-        denominator as a mask (``keep_t``) on every update."""
-        h = self.first_h
-        gt = self.gt
+        denominator as a where() on every value (phase 2: the second pass does nothing)."""
+        g0 = groups[0]
         den = total[1]
         keep = den != 0
         safe = torch.where(keep, den, torch.ones_like(den))
-        d = gt[1]
-        d_numerator = gt[3] * self._beta3(h)
+        d, d_max = g0[1], g0[2]
+        d_numerator = g0[3] * g0[12]
         d_hat = d
-        d_max = gt[2]
-        if self._lr() > 0.0:
+        if self._lr_positive(g0):
             d_numerator = d_numerator + total[0]
-            d_hat = h["d_coef"] * d_numerator / safe
-            d = torch.where(d == self.last_d0, torch.maximum(d, d_hat), d)
+            d_hat = g0[13] * d_numerator / safe
+            d = torch.where(d == g0[15], torch.maximum(d, d_hat), d)
             d_max = torch.maximum(d_max, d_hat)
-            d = torch.minimum(d_max, d * h["growth_rate"])
-        self.d_t = torch.where(keep, d, gt[1])
-        self.keep_t = keep.to(torch.float64)
+            d = torch.minimum(d_max, d * g0[14])
+        phase = torch.where(keep, 1.0, 2.0).to(torch.float64)
         for gs in groups:
             new = torch.stack([gs[0] + 1.0, d, d_max, d_numerator, den, d_hat])
-            gs.copy_(torch.where(keep, new, gs))
-        self.second = True
+            gs[:6].copy_(torch.where(keep, new, gs[:6]))
+            gs[6].copy_(phase)
 
     @torch.jit.unused
-    def _dense_tensors(self, params: List[Tensor], grads: List[Tensor], state: List[List[Tensor]],
-                       h: Dict[str, float]) -> None:
-        """Both passes without host reads (torch.compile): every step-dependent scalar a
-        0-d float64 tensor, foreach ops with tensor operands (rounding may differ from eager)."""
-        h0 = self.first_h
-        beta1 = h0["betas0"]
-        beta2 = h0["betas1"]
-        gt = self.gt
-        decay = h["weight_decay"]
-        decouple = h["decouple"] != 0.0
-        if decay != 0 and not decouple:
-            grads = torch._foreach_add(grads, params, alpha=decay)
-        if not self.second:
-            k = gt[0]
-            bc = torch.ones((), dtype=torch.float64)
-            if h0["use_bias_correction"] != 0.0:
-                bc = torch.sqrt(1 - torch.pow(beta2, k + 1)) / (1 - torch.pow(beta1, k + 1))
-            d = gt[1]
-            dlr = d * self._lr() * bc
-            self.dlr_t = dlr
-            if h["lr"] <= 0.0:
-                return
-            d0 = h["d0"]
-            sp = int(h["slice_p"])
-            num = self.sums[0]
-            for j in range(len(params)):
-                sg = _strided(grads[j], sp)
-                num = num + (d / d0) * dlr * torch.dot(sg, state[2][j] - _strided(params[j], sp)).to(torch.float64)
-            if beta1 > 0:
-                torch._foreach_mul_(state[3], beta1)
-                torch._foreach_add_(state[3], torch._foreach_mul(grads, d * (1 - beta1)))
-            torch._foreach_mul_(state[4], beta2)
-            torch._foreach_addcmul_(state[4], torch._foreach_mul(grads, d * d * (1 - beta2)), grads)
-            torch._foreach_mul_(state[1], self._beta3(h0))
-            alpha = (d / d0) * d if h["safeguard_warmup"] != 0.0 else (d / d0) * dlr
-            torch._foreach_add_(state[1], torch._foreach_mul([_strided(g, sp) for g in grads], alpha))
-            den = self.sums[1]
-            for t in state[1]:
-                den = den + t.abs().sum().to(torch.float64)
-            self.sums = torch.stack([num, den])
-            return
-        d = self.d_t
-        dlr = self.dlr_t * self.keep_t
-        denom = torch._foreach_sqrt(state[4])
-        torch._foreach_add_(denom, d * h["eps"])
-        if decay != 0 and decouple:
-            torch._foreach_add_(params, torch._foreach_mul(params, -decay * dlr))
-        if beta1 > 0:
-            upd = torch._foreach_div(state[3], denom)
-            torch._foreach_mul_(upd, -dlr)
-        else:
-            upd = torch._foreach_div(grads, denom)
-            torch._foreach_mul_(upd, -dlr * d)
-        torch._foreach_add_(params, upd)
+    def _lr_positive(self, gs: Tensor) -> bool:
+        return True  # combine's lr > 0 under compile: the constructor's lr is; a group's lr=0 is no first pass
 
     # --------------------------------------------------------------- Kernel
     def init(self, p: Tensor, fused: bool, h: Dict[str, float]) -> List[Tensor]:
@@ -260,86 +208,114 @@ class ProdigyKernel:
                 raise RuntimeError("funcopt: Prodigy does not support complex parameters (parameter "
                                    + str(i) + ")")
 
-    def _lr(self) -> float:
-        lr = 0.0
-        for x in self.lrs:
-            lr = max(lr, x)
-        return lr
-
-    def _beta3(self, h: Dict[str, float]) -> float:
-        beta3 = h.get("beta3", float("nan"))
-        if math.isnan(beta3):
-            beta3 = math.sqrt(h["betas1"])
-        return beta3
-
     def dense(self, params: List[Tensor], grads: List[Tensor], state: List[List[Tensor]],
               h: Dict[str, float], fused: bool, first: bool, grad_scale: Optional[Tensor],
               found_inf: Optional[Tensor]) -> None:
-        if self.stop:
-            return
-        if torch.compiler.is_compiling():
-            self._dense_tensors(params, grads, state, h)
-            return
-        h0 = self.first_h
-        beta1 = h0["betas0"]
-        beta2 = h0["betas1"]
-        lr = self._lr()
-        k = self.k0
-        bc = 1.0
-        if h0["use_bias_correction"] != 0.0:
-            bc = ((1 - beta2 ** (k + 1)) ** 0.5) / (1 - beta1 ** (k + 1))
-        dlr = self.d_old * lr * bc
+        gs = state[len(state) - 1][0]
         decay = h["weight_decay"]
         decouple = h["decouple"] != 0.0
         if decay != 0 and not decouple:
             grads = torch._foreach_add(grads, params, alpha=decay)
-        if not self.second:
-            self._first_pass(params, grads, state, h, beta1, beta2, dlr)
-        else:
-            self._second_pass(params, grads, state, h, beta1, dlr)
+        if torch.compiler.is_compiling():
+            self._dense_tensors(params, grads, state, h, gs)
+            return
+        v: List[float] = gs.tolist()
+        if v[6] == 0.0:
+            self._first_pass(params, grads, state, h, v, gs)
+        elif v[6] == 1.0:
+            self._second_pass(params, grads, state, h, v)
 
     def _first_pass(self, params: List[Tensor], grads: List[Tensor], state: List[List[Tensor]],
-                    h: Dict[str, float], beta1: float, beta2: float, dlr: float) -> None:
+                    h: Dict[str, float], v: List[float], gs: Tensor) -> None:
         if h["lr"] <= 0.0:
             return
-        d = self.d_old
+        d = v[7]
+        dlr = v[8]
+        beta1 = v[10]
+        beta2 = v[11]
         d0 = h["d0"]
         sp = int(h["slice_p"])
-        beta3 = self._beta3(self.first_h)
-        ss = state[1]
-        p0s = state[2]
+        numerator = v[16]
         for j in range(len(params)):
             sg = _strided(grads[j], sp)
-            self.numerator += (d / d0) * dlr * float(torch.dot(sg, p0s[j] - _strided(params[j], sp)).item())
+            numerator += (d / d0) * dlr * float(torch.dot(sg, state[2][j] - _strided(params[j], sp)).item())
         if beta1 > 0:
             torch._foreach_mul_(state[3], beta1)
             torch._foreach_add_(state[3], grads, alpha=d * (1 - beta1))
         torch._foreach_mul_(state[4], beta2)
         torch._foreach_addcmul_(state[4], grads, grads, value=d * d * (1 - beta2))
-        torch._foreach_mul_(ss, beta3)
+        ss = state[1]
+        torch._foreach_mul_(ss, v[12])
         if h["safeguard_warmup"] != 0.0:
             alpha = (d / d0) * d
         else:
             alpha = (d / d0) * dlr
-        if sp == 1:
-            torch._foreach_add_(ss, [g.reshape(-1) for g in grads], alpha=alpha)
-        else:
-            torch._foreach_add_(ss, [_strided(g, sp) for g in grads], alpha=alpha)
-        for s in ss:
-            self.denominator += float(s.abs().sum().item())
+        torch._foreach_add_(ss, [_strided(g, sp) for g in grads], alpha=alpha)
+        denominator = v[17]
+        for t in ss:
+            denominator += float(t.abs().sum().item())
+        gs[16].fill_(numerator)
+        gs[17].fill_(denominator)
 
     def _second_pass(self, params: List[Tensor], grads: List[Tensor], state: List[List[Tensor]],
-                     h: Dict[str, float], beta1: float, dlr: float) -> None:
-        d = self.d
+                     h: Dict[str, float], v: List[float]) -> None:
+        d = v[1]  # the new d
+        dlr = v[8]  # the step's dlr (the d it started with)
         denom = torch._foreach_sqrt(state[4])
         torch._foreach_add_(denom, d * h["eps"])
         decay = h["weight_decay"]
         if decay != 0 and h["decouple"] != 0.0:
             torch._foreach_add_(params, params, alpha=-decay * dlr)
-        if beta1 > 0:
+        if v[10] > 0:
             torch._foreach_addcdiv_(params, state[3], denom, value=-dlr)
         else:
             torch._foreach_addcdiv_(params, grads, denom, value=-dlr * d)
+
+    @torch.jit.unused
+    def _dense_tensors(self, params: List[Tensor], grads: List[Tensor], state: List[List[Tensor]],
+                       h: Dict[str, float], gs: Tensor) -> None:
+        """Both passes without host reads (torch.compile): every step-dependent scalar a
+        0-d float64 tensor from ``gs``, foreach ops with tensor operands (rounding may
+        differ from eager); the phase as masks."""
+        first = (gs[6] == 0.0).to(torch.float64)
+        second = (gs[6] == 1.0).to(torch.float64)
+        beta1 = h["betas0"]  # group 0's (the registry's classes: every group's; see group())
+        if h["lr"] > 0.0:
+            d, dlr, d0 = gs[7], gs[8], h["d0"]
+            sp = int(h["slice_p"])
+            num = gs[16]
+            for j in range(len(params)):
+                sg = _strided(grads[j], sp)
+                num = num + (d / d0) * dlr * torch.dot(sg, state[2][j] - _strided(params[j], sp)).to(torch.float64)
+            # the first pass's moments, or (second pass) unchanged: interpolate by the mask
+            keep1 = 1.0 - first
+            if beta1 > 0:
+                f = gs[10] * first + keep1
+                torch._foreach_mul_(state[3], f)
+                torch._foreach_add_(state[3], torch._foreach_mul(grads, d * (1 - gs[10]) * first))
+            torch._foreach_mul_(state[4], gs[11] * first + keep1)
+            torch._foreach_addcmul_(state[4], torch._foreach_mul(grads, d * d * (1 - gs[11]) * first), grads)
+            torch._foreach_mul_(state[1], gs[12] * first + keep1)
+            alpha = (d / d0) * d if h["safeguard_warmup"] != 0.0 else (d / d0) * dlr
+            torch._foreach_add_(state[1], torch._foreach_mul([_strided(g, sp) for g in grads], alpha * first))
+            den = gs[17]
+            for t in state[1]:
+                den = den + t.abs().sum().to(torch.float64)
+            gs[16:17 + 1].copy_(torch.where(first > 0, torch.stack([num, den]), gs[16:17 + 1]))
+        d = gs[1]
+        dlr = gs[8] * second
+        denom = torch._foreach_sqrt(state[4])
+        torch._foreach_add_(denom, d * h["eps"])
+        decay = h["weight_decay"]
+        if decay != 0 and h["decouple"] != 0.0:
+            torch._foreach_add_(params, torch._foreach_mul(params, -decay * dlr))
+        if beta1 > 0:
+            upd = torch._foreach_div(state[3], denom)
+            torch._foreach_mul_(upd, -dlr)
+        else:
+            upd = torch._foreach_div(grads, denom)
+            torch._foreach_mul_(upd, -dlr * d)
+        torch._foreach_add_(params, upd)
 
     def single(self, params: List[Tensor], grads: List[Tensor], state: List[List[Tensor]],
                h: Dict[str, float], first: bool) -> List[List[Tensor]]:
@@ -389,6 +365,7 @@ class Prodigy(Optimizer):
     fused_devices = ()
     group_state = (("k", 0), ("d", 1e-6), ("d_max", 1e-6), ("d_numerator", 0.0), ("d_denom", 0.0),
                    ("d_hat", 0.0))
+    group_hidden = _HIDDEN
     phases = 2
     step_as_int = True
 

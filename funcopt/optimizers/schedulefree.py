@@ -61,6 +61,19 @@ def _eval_mode_error(name: str) -> str:
             "(and optimizer.eval() before evaluating or saving the model)")
 
 
+def schedule_all(groups: List[Tensor], hs: List[Dict[str, float]], name: str) -> None:
+    """:func:`schedule` for every param group, after checking that every one is in
+    train mode (a step in eval mode changes nothing; not under torch.compile, where
+    the optimizer class checks in Python before the compiled step)."""
+    if not torch.compiler.is_compiling():
+        for gs in groups:
+            if float(gs[1].item()) == 0.0:
+                raise RuntimeError(_eval_mode_error(name))
+    for j in range(len(groups)):
+        h = hs[j]
+        schedule(groups[j], h["lr"], h["warmup_steps"], h["r"], h["weight_lr_power"], name)
+
+
 def schedule(gs: Tensor, lr: float, warmup_steps: float, r: float, weight_lr_power: float, name: str) -> None:
     """One step of a param group's schedule, in place on its vector ``gs``
     (``k``, ``train_mode``, ``weight_sum``, ``lr_max``, ``scheduled_lr``):
@@ -218,8 +231,8 @@ class AdamWScheduleFreeKernel:
               odd: bool) -> None:
         pass
 
-    def group(self, gs: Tensor, h: Dict[str, float]) -> None:
-        schedule(gs, h["lr"], h["warmup_steps"], h["r"], h["weight_lr_power"], self.name)
+    def group(self, groups: List[Tensor], hs: List[Dict[str, float]]) -> None:
+        schedule_all(groups, hs, self.name)
 
     def dense(self, params: List[Tensor], grads: List[Tensor], state: List[List[Tensor]],
               h: Dict[str, float], fused: bool, first: bool, grad_scale: Optional[Tensor],
@@ -267,8 +280,8 @@ class SGDScheduleFreeKernel:
               odd: bool) -> None:
         pass
 
-    def group(self, gs: Tensor, h: Dict[str, float]) -> None:
-        schedule(gs, h["lr"], h["warmup_steps"], h["r"], h["weight_lr_power"], self.name)
+    def group(self, groups: List[Tensor], hs: List[Dict[str, float]]) -> None:
+        schedule_all(groups, hs, self.name)
 
     def dense(self, params: List[Tensor], grads: List[Tensor], state: List[List[Tensor]],
               h: Dict[str, float], fused: bool, first: bool, grad_scale: Optional[Tensor],
