@@ -265,6 +265,9 @@ class Optimizer(torch.optim.Optimizer):
     # more elements of each group's vector, after group_state's: the rule's own per-step
     # values (Prodigy's d of the step's start, its partial sums), never in param_groups
     group_hidden: int = 0
+    # group_state keys the oracle adds to a group only at its first step (Prodigy's d_denom, d_hat):
+    # absent from param_groups while the group's first value (its step counter) is 0
+    group_state_lazy: Tuple[str, ...] = ()
     # 2: a sum over every parameter between two passes of the step (Prodigy's d): the core's
     # begin / GroupRule.partial / finish; ``sum_partials`` (a distributed layer's all-reduce)
     # adds the partial sums up across ranks
@@ -518,10 +521,11 @@ class Optimizer(torch.optim.Optimizer):
             self._group_seen = []
             for g, group in enumerate(self.param_groups):
                 for name, init in self.group_state:
-                    group.setdefault(name, init)
+                    if name not in self.group_state_lazy:
+                        group.setdefault(name, init)
                 vals = self._group_values(g, group) + [0.0] * self.group_hidden
                 slots.set_group(g, torch.tensor(vals, dtype=torch.float64))
-                self._group_seen.append(tuple(group[name] for name, _ in self.group_state))
+                self._group_seen.append(tuple(group.get(name, init) for name, init in self.group_state))
         self._hyper_cache = hyper
         self._hyper_sig = [_hyper.signature(g) for g in self.param_groups]
         self._group_of = group_of
@@ -793,8 +797,8 @@ class Optimizer(torch.optim.Optimizer):
         """``group``'s ``group_state`` values as floats for the core, checked
         (a real number or a bool each; a ``TypeError`` naming the key otherwise)."""
         out = []
-        for name, _ in self.group_state:
-            v = group[name]
+        for name, init in self.group_state:
+            v = group.get(name, init)
             if isinstance(v, Tensor) and v.numel() == 1 and not v.is_complex():
                 v = v.item()
             if not isinstance(v, (bool, int, float)) and not (type(v).__module__ == "numpy" and hasattr(v, "item")):
@@ -815,9 +819,12 @@ class Optimizer(torch.optim.Optimizer):
             if g >= len(self._group_seen):
                 break
             vals = slots.get_group(g).tolist()
+            first = vals[0] == 0  # the step counter: nothing stepped yet
             for (name, init), v in zip(self.group_state, vals):
+                if first and name in self.group_state_lazy and name not in group:
+                    continue
                 group[name] = bool(v) if isinstance(init, bool) else int(v) if isinstance(init, int) else v
-            self._group_seen[g] = tuple(group[name] for name, _ in self.group_state)
+            self._group_seen[g] = tuple(group.get(name, init) for name, init in self.group_state)
 
     def _push_groups(self) -> None:
         """A group_state value changed in param_groups (by the user, a

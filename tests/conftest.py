@@ -13,7 +13,12 @@ from typing import List, Optional, Sequence
 import pytest
 import torch
 
+import _oracles  # noqa: E402  (tests/ is on sys.path: this conftest's directory)
+
+_oracles.install()  # the oracles outside torch used as their docs say (tests/_oracles.py)
+
 DEFAULT_SHAPES = ((3, 4), (5,), (), (2, 1, 3))
+
 
 
 # the registry algorithm the running test is parametrized with ("name"), if

@@ -84,8 +84,16 @@ def _impls(spec):
     return out
 
 
+def _per_step_rules():
+    """Rules with values that advance once per step (group_state: a group step counter, Prodigy's
+    d): a step per bucket would advance them per bucket; step_in_backward refuses them."""
+    return [name for name, spec in REGISTRY.items() if spec.cls.group_state or spec.cls.phases != 1]
+
+
 def _cases():
     for name, spec in REGISTRY.items():
+        if name in _per_step_rules():
+            continue
         for cfg_name, kw in (("base", spec.base), ("rich", spec.rich)):
             for impl_name, impl in _impls(spec):
                 for dtype in (torch.float32, torch.float64):
@@ -142,6 +150,18 @@ def test_step_after_backward_is_an_error_until_removed():
     m(_data(1, torch.float32)).backward()
     assert all(p.grad is not None for p in m.layers.parameters())  # hooks gone
     o.step()  # allowed again
+
+
+@pytest.mark.parametrize("name", _per_step_rules())
+def test_refuses_rules_with_per_step_group_values(name):
+    spec = REGISTRY[name]
+    p = torch.zeros(spec.param_shape((4, 3)), requires_grad=True)
+    opt = spec.cls([p], **spec.base)
+    with pytest.raises(ValueError, match="once per step"):
+        funcopt.step_in_backward(opt)
+    assert getattr(opt, "_funcopt_in_backward", None) is None  # nothing installed
+    opt.step([torch.ones_like(p)])  # and it still steps after backward
+    assert not torch.equal(p, torch.zeros_like(p)) or spec.name == "ADOPT"
 
 
 def test_refuses_global_gradient_transforms():

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import sys
 import os
 import tempfile
 import warnings
@@ -64,10 +65,19 @@ def _torch_declares_tensor(spec, key):
     return "Tensor" in str(inspect.signature(spec.torch_cls.__init__).parameters[key].annotation)
 
 
+def _instance_keys(spec):
+    """Options an oracle outside torch keeps on its instance, not in its param groups
+    (pytorch_optimizer's ``maximize``, ADOPT's ``clip_lambda``): a group edit of one is
+    funcopt's own (each module's ``INSTANCE_KEYS``), the oracle has no verdict on it."""
+    return tuple(getattr(sys.modules[spec.cls.__module__], "INSTANCE_KEYS", ()))
+
+
 def _odd_values(spec):
     """(key, value) pairs to try, made from each option's default."""
     out = []
     for key, default, annotation in _signature(spec):
+        if key in _instance_keys(spec) or callable(default):
+            continue
         base = spec.base.get(key, default)
         if isinstance(default, bool):
             values = ["yes", "no", "", None, 0, 1, 2]

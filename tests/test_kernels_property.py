@@ -73,6 +73,8 @@ def _fill(hint):
         return 0.1
     if hint is int:
         return 1
+    if hint is torch.Tensor:  # a 0-d value (ADOPT's and AdEMAMix's group step counter)
+        return torch.ones((), dtype=torch.float64)
     origin, inner = typing.get_origin(hint), typing.get_args(hint)
     if origin is typing.Union and type(None) in inner:  # Optional[X]: a value, not None
         return _fill(next(a for a in inner if a is not type(None)))

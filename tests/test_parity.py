@@ -47,6 +47,8 @@ def _assert_same(fo, to, fparams, tparams):
                 assert got == v and type(got) is type(v), (i, k, got, v)
                 continue
             assert got.dtype == v.dtype and got.device == v.device, (i, k)
+            if v.dim() == 0 and got.dim() > 0:  # Prodigy's p0 of an all-zero (here empty) parameter:
+                v = v.expand_as(got)  # the oracle keeps a 0-d zero, funcopt the strided copy
             assert torch.equal(got, v), (i, k, got, v)
 
 

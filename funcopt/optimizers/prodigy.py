@@ -60,6 +60,71 @@ def _strided(t: Tensor, slice_p: int) -> Tensor:
     return t.reshape(-1)[::slice_p]
 
 
+def prodigy_first_pass(
+    params: List[Tensor],
+    grads: List[Tensor],
+    ss: List[Tensor],
+    p0s: List[Tensor],
+    exp_avgs: List[Tensor],
+    exp_avg_sqs: List[Tensor],
+    d: float,
+    dlr: float,
+    beta1: float,
+    beta2: float,
+    beta3: float,
+    d0: float,
+    slice_p: int,
+    safeguard_warmup: bool,
+) -> Tuple[float, float]:
+    """The first pass over aligned lists (gradients with any coupled decay added), in
+    place: the moments and ``s``; returns this list's ``(numerator, denominator)`` terms
+    (``exp_avgs`` may be empty when ``beta1 == 0``)."""
+    numerator = 0.0
+    denominator = 0.0
+    if len(params) == 0:
+        return numerator, denominator
+    for j in range(len(params)):
+        sg = _strided(grads[j], slice_p)
+        numerator += (d / d0) * dlr * float(torch.dot(sg, p0s[j] - _strided(params[j], slice_p)).item())
+    if beta1 > 0:
+        torch._foreach_mul_(exp_avgs, beta1)
+        torch._foreach_add_(exp_avgs, grads, alpha=d * (1 - beta1))
+    torch._foreach_mul_(exp_avg_sqs, beta2)
+    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=d * d * (1 - beta2))
+    torch._foreach_mul_(ss, beta3)
+    alpha = (d / d0) * d if safeguard_warmup else (d / d0) * dlr
+    torch._foreach_add_(ss, [_strided(g, slice_p) for g in grads], alpha=alpha)
+    for t in ss:
+        denominator += float(t.abs().sum().item())
+    return numerator, denominator
+
+
+def prodigy_second_pass(
+    params: List[Tensor],
+    grads: List[Tensor],
+    exp_avgs: List[Tensor],
+    exp_avg_sqs: List[Tensor],
+    d: float,
+    dlr: float,
+    beta1: float,
+    eps: float,
+    weight_decay: float,
+    decouple: bool,
+) -> None:
+    """The second pass, in place: ``d`` the new estimate, ``dlr`` the step's (from the d it
+    started with)."""
+    if len(params) == 0:
+        return
+    denom = torch._foreach_sqrt(exp_avg_sqs)
+    torch._foreach_add_(denom, d * eps)
+    if weight_decay != 0 and decouple:
+        torch._foreach_add_(params, params, alpha=-weight_decay * dlr)
+    if beta1 > 0:
+        torch._foreach_addcdiv_(params, exp_avgs, denom, value=-dlr)
+    else:
+        torch._foreach_addcdiv_(params, grads, denom, value=-dlr * d)
+
+
 # each group's vector: group_state (0 k, 1 d, 2 d_max, 3 d_numerator, 4 d_denom, 5 d_hat), then
 # this step's values, the same in every group but the partial sums (group_hidden): written by
 # group() and combine(), read by dense() -- the kernel object holds nothing between calls (a
@@ -229,47 +294,15 @@ class ProdigyKernel:
                     h: Dict[str, float], v: List[float], gs: Tensor) -> None:
         if h["lr"] <= 0.0:
             return
-        d = v[7]
-        dlr = v[8]
-        beta1 = v[10]
-        beta2 = v[11]
-        d0 = h["d0"]
-        sp = int(h["slice_p"])
-        numerator = v[16]
-        for j in range(len(params)):
-            sg = _strided(grads[j], sp)
-            numerator += (d / d0) * dlr * float(torch.dot(sg, state[2][j] - _strided(params[j], sp)).item())
-        if beta1 > 0:
-            torch._foreach_mul_(state[3], beta1)
-            torch._foreach_add_(state[3], grads, alpha=d * (1 - beta1))
-        torch._foreach_mul_(state[4], beta2)
-        torch._foreach_addcmul_(state[4], grads, grads, value=d * d * (1 - beta2))
-        ss = state[1]
-        torch._foreach_mul_(ss, v[12])
-        if h["safeguard_warmup"] != 0.0:
-            alpha = (d / d0) * d
-        else:
-            alpha = (d / d0) * dlr
-        torch._foreach_add_(ss, [_strided(g, sp) for g in grads], alpha=alpha)
-        denominator = v[17]
-        for t in ss:
-            denominator += float(t.abs().sum().item())
-        gs[16].fill_(numerator)
-        gs[17].fill_(denominator)
+        num, den = prodigy_first_pass(params, grads, state[1], state[2], state[3], state[4], v[7], v[8], v[10],
+                                      v[11], v[12], h["d0"], int(h["slice_p"]), h["safeguard_warmup"] != 0.0)
+        gs[16].fill_(v[16] + num)
+        gs[17].fill_(v[17] + den)
 
     def _second_pass(self, params: List[Tensor], grads: List[Tensor], state: List[List[Tensor]],
                      h: Dict[str, float], v: List[float]) -> None:
-        d = v[1]  # the new d
-        dlr = v[8]  # the step's dlr (the d it started with)
-        denom = torch._foreach_sqrt(state[4])
-        torch._foreach_add_(denom, d * h["eps"])
-        decay = h["weight_decay"]
-        if decay != 0 and h["decouple"] != 0.0:
-            torch._foreach_add_(params, params, alpha=-decay * dlr)
-        if v[10] > 0:
-            torch._foreach_addcdiv_(params, state[3], denom, value=-dlr)
-        else:
-            torch._foreach_addcdiv_(params, grads, denom, value=-dlr * d)
+        prodigy_second_pass(params, grads, state[3], state[4], v[1], v[8], v[10], h["eps"], h["weight_decay"],
+                            h["decouple"] != 0.0)
 
     @torch.jit.unused
     def _dense_tensors(self, params: List[Tensor], grads: List[Tensor], state: List[List[Tensor]],
@@ -366,6 +399,8 @@ class Prodigy(Optimizer):
     group_state = (("k", 0), ("d", 1e-6), ("d_max", 1e-6), ("d_numerator", 0.0), ("d_denom", 0.0),
                    ("d_hat", 0.0))
     group_hidden = _HIDDEN
+    group_state_lazy = ("d_denom", "d_hat")
+    one_lr = True  # param groups may differ in lr only by 0 (the oracle's rule: one d for all)
     phases = 2
     step_as_int = True
 
@@ -374,8 +409,8 @@ class Prodigy(Optimizer):
                  use_bias_correction: bool = False, safeguard_warmup: bool = False, d0: float = 1e-6,
                  d_coef: float = 1.0, growth_rate: float = float("inf"), fsdp_in_use: bool = False,
                  slice_p: int = 1, *, impl: str = "auto") -> None:
-        if not 0.0 < lr:  # the constructor's lr (a group added later may have lr=0)
-            raise ValueError("Invalid learning rate: {}".format(lr))
+        if isinstance(lr, (int, float)) and not 0.0 < lr:  # the constructor's (a group added later may have 0)
+            raise ValueError("Invalid learning rate: {} (lr={!r})".format(lr, lr))
         if impl not in ("auto", "foreach"):
             raise ValueError(f"Prodigy: impl must be 'auto' or 'foreach' (no fused or native rule), got {impl!r}")
         super().__init__(params, dict(lr=lr, betas=betas, beta3=beta3, eps=eps, weight_decay=weight_decay,
@@ -388,22 +423,25 @@ class Prodigy(Optimizer):
     def check_ranges(cls, group: Dict[str, Any]) -> None:
         """prodigyopt's constructor checks, in its words, for every group (``lr >= 0``: a
         group may have 0; the constructor's must be positive), ``beta3``, ``slice_p >= 1``."""
+        def bad(msg: str, key: str, value: Any) -> None:
+            raise ValueError(f"{msg} ({key}={value!r})")
+
         if "d0" in group and not 0.0 < float(group["d0"]):
-            raise ValueError("Invalid d0 value: {}".format(group["d0"]))
+            bad("Invalid d0 value: {}".format(group["d0"]), "d0", group["d0"])
         if "lr" in group and not 0.0 <= float(group["lr"]):  # a group may have 0 (no first pass)
-            raise ValueError("Invalid learning rate: {}".format(group["lr"]))
+            bad("Invalid learning rate: {}".format(group["lr"]), "lr", group["lr"])
         if "eps" in group and not 0.0 < float(group["eps"]):
-            raise ValueError("Invalid epsilon value: {}".format(group["eps"]))
+            bad("Invalid epsilon value: {}".format(group["eps"]), "eps", group["eps"])
         betas = group.get("betas", (0.9, 0.999))
         for j in range(2):
             if not 0.0 <= float(betas[j]) < 1.0:
-                raise ValueError("Invalid beta parameter at index {}: {}".format(j, betas[j]))
+                bad("Invalid beta parameter at index {}: {}".format(j, betas[j]), "betas", betas)
         beta3 = group.get("beta3")
         if beta3 is not None and (isinstance(beta3, bool) or not isinstance(beta3, (int, float))
                                   or not 0.0 <= float(beta3) < 1.0):
-            raise ValueError("Invalid beta3 value: {} (None or a number in [0, 1))".format(beta3))
+            bad("Invalid beta3 value: {} (None or a number in [0, 1))".format(beta3), "beta3", beta3)
         if "slice_p" in group and int(group["slice_p"]) < 1:
-            raise ValueError("Invalid slice_p value: {} (must be >= 1)".format(group["slice_p"]))
+            bad("Invalid slice_p value: {} (must be >= 1)".format(group["slice_p"]), "slice_p", group["slice_p"])
 
     @classmethod
     def adapt_entry(cls, p: Tensor, entry: Any, group: Dict[str, Any]) -> Any:

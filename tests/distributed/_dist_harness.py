@@ -34,6 +34,10 @@ from torch import nn
 
 from funcopt.distributed.launch import launch
 
+import _oracles  # noqa: E402  (tests/: on sys.path in the test process and, by spawn, in its children)
+
+_oracles.install()  # the oracles outside torch used as their docs say (tests/_oracles.py)
+
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=30)
 
 # float32 tolerance for "same as single-process torch.optim": the all-reduce

@@ -1,0 +1,93 @@
+"""The oracles outside torch (``schedulefree``, ``prodigyopt``, ``pytorch_optimizer``), used
+the way their own docs say, so that the registry-driven tests can treat them like
+``torch.optim`` classes.  Imported by ``tests/conftest.py`` and by the spawned children of
+the distributed tests (``_dist_harness.py``); changes no number an oracle computes:
+
+* a Schedule-Free oracle is put in train mode when it is built (its docs: ``train()``
+  before stepping; funcopt's classes start in train mode);
+* an oracle's ``step()`` sees clones of the gradients and the caller's ``p.grad`` tensors are
+  put back afterwards (these oracles write into ``p.grad``: Schedule-Free divides it,
+  Prodigy adds coupled decay, pytorch_optimizer negates it for ``maximize``; torch.optim
+  never does, and the shared tests hand the same gradient tensors to both sides);
+* ``state_dict()`` leaves out the empty entries that an oracle's ``train()``/``eval()``
+  create for parameters without state (its ``self.state[p]`` is a defaultdict).
+
+Only classes that ``funcopt.registry`` names as an oracle of an algorithm with a
+``"module:Class"`` oracle are touched, once per process.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, List
+
+import torch
+
+_DONE: List[bool] = []
+
+
+def other_lr(spec, lr):
+    """An lr for a second param group that the algorithm takes: ``lr / 2``, or 0 for a rule
+    whose groups may differ in lr only by 0 (Prodigy: one step size ``d`` for all)."""
+    return 0.0 if getattr(spec.cls, "one_lr", False) else lr * 0.5
+
+
+def same_value(a, b) -> bool:
+    """Equal state values: tensors bitwise with the same dtype, anything else by ``==``
+    (an oracle outside torch may keep a Python int, e.g. Prodigy's per-parameter ``step``)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
+                and torch.equal(a, b))
+    return a == b and type(a) is type(b)
+
+
+def _patch(cls: type, modes: bool) -> None:
+    if getattr(cls, "_funcopt_test_glue", False):
+        return
+    init, step, state_dict = cls.__init__, cls.step, cls.state_dict
+
+    @functools.wraps(init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        if modes:
+            self.train()
+
+    @functools.wraps(step)
+    def step_(self: Any, *args: Any, **kwargs: Any) -> Any:
+        params = [p for g in self.param_groups for p in g["params"]]
+        grads = [p.grad for p in params]
+        for p, g in zip(params, grads):
+            if g is not None:
+                p.grad = g.clone()
+        try:
+            return step(self, *args, **kwargs)
+        finally:
+            for p, g in zip(params, grads):
+                p.grad = g
+
+    @functools.wraps(state_dict)
+    def state_dict_(self: Any) -> Any:
+        out = state_dict(self)
+        out["state"] = {k: v for k, v in out["state"].items() if not (isinstance(v, dict) and not v)}
+        return out
+
+    cls.__init__ = __init__
+    cls.step = step_
+    cls.state_dict = state_dict_
+    cls._funcopt_test_glue = True
+
+
+def install() -> None:
+    """Patch every oracle outside torch that is installed (once per process)."""
+    if _DONE:
+        return
+    _DONE.append(True)
+    from funcopt.registry import REGISTRY
+
+    for spec in REGISTRY.values():
+        if spec.oracle_package is None:
+            continue
+        try:
+            cls = spec.torch_cls
+        except ImportError:
+            continue
+        _patch(cls, bool(getattr(spec.cls, "has_modes", False)))
