@@ -112,13 +112,20 @@ class LocalView:
         (``step``).  ``cache`` keeps one wrapper per local tensor, so the entry
         is the same object from one look to the next."""
         p = self.params[i]
-        if not is_dtensor(p) or name == "step" or value.shape != self.step_params[i].shape:
+        if not is_dtensor(p) or name == "step":
+            return value
+        flat = _flat_state(value, self.step_params[i], p)
+        if value.shape != self.step_params[i].shape and not flat:
             return value
         hit = cache.get(id(value))
         if hit is not None and hit[0] is value:
             return hit[1]
-        wrapped = DTensor.from_local(value, p.device_mesh, p.placements, run_check=False,
-                                     shape=p.shape, stride=p.stride())
+        if flat:  # per-element state of the flattened parameter (Prodigy's s, p0): a 1-D DTensor
+            wrapped = DTensor.from_local(value, p.device_mesh, p.placements, run_check=False,
+                                         shape=(p.numel(),), stride=(1,))
+        else:
+            wrapped = DTensor.from_local(value, p.device_mesh, p.placements, run_check=False,
+                                         shape=p.shape, stride=p.stride())
         cache[id(value)] = (value, wrapped)
         return wrapped
 
@@ -131,9 +138,25 @@ class LocalView:
         out: Dict[str, Any] = {}
         for name, v in entry.items():
             if isinstance(v, Tensor) and name != "step":
-                v = to_shard(v, p)
+                if v.dim() == 1 and p.dim() > 1 and v.numel() == p.numel() and _row_sharded(p):
+                    full = v.full_tensor() if is_dtensor(v) else v  # flattened per-element state
+                    v = to_shard(full.reshape(p.shape), p).reshape(-1)
+                else:
+                    v = to_shard(v, p)
             out[name] = v
         return self.step_params[i], out
+
+
+def _row_sharded(p: Tensor) -> bool:
+    """A DTensor sharded along its first dimension only (FSDP2): its flattened local tensor
+    is a contiguous range of the flattened whole."""
+    return all((not pl.is_shard()) or pl.dim == 0 for pl in p.placements)
+
+
+def _flat_state(value: Tensor, local_p: Tensor, p: Tensor) -> bool:
+    """``value`` is per-element state of the flattened (row-sharded) parameter ``p``."""
+    return (value.dim() == 1 and local_p.dim() > 1 and value.numel() == local_p.numel()
+            and _row_sharded(p))
 
 
 class GatherView(LocalView):

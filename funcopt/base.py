@@ -268,14 +268,15 @@ class Optimizer(torch.optim.Optimizer):
     # group_state keys the oracle adds to a group only at its first step (Prodigy's d_denom, d_hat):
     # absent from param_groups while the group's first value (its step counter) is 0
     group_state_lazy: Tuple[str, ...] = ()
+    # complex parameters: not the oracle's numbers by decision (funcopt refuses them, or steps
+    # real views where the oracle does complex arithmetic): said in the module docstring
+    complex_differs_from_oracle: bool = False
     # 2: a sum over every parameter between two passes of the step (Prodigy's d): the core's
     # begin / GroupRule.partial / finish; ``sum_partials`` (a distributed layer's all-reduce)
     # adds the partial sums up across ranks
     phases: int = 1
     # train()/eval() swap the parameters (Schedule-Free): the core's set_mode, GroupRule.mode
     has_modes: bool = False
-    # the oracle's state_dict holds a per-parameter ``step`` as a Python int (prodigyopt), not a tensor
-    step_as_int: bool = False
 
     @classmethod
     def adapt_entry(cls, p: Tensor, entry: Any, group: Dict[str, Any]) -> Any:
@@ -1050,10 +1051,6 @@ class Optimizer(torch.optim.Optimizer):
             if self.group_state and not self._structure_changed():
                 self._mirror_groups()
             state_dict = state_format.pack(self.param_groups, self.state)
-            if self.step_as_int:
-                for entry in state_dict["state"].values():
-                    if isinstance(entry.get("step"), Tensor):
-                        entry["step"] = int(entry["step"].item())
         for post_hook in self._optimizer_state_dict_post_hooks.values():
             result = post_hook(self, state_dict)
             if result is not None:

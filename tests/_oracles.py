@@ -31,6 +31,39 @@ def other_lr(spec, lr):
     return 0.0 if getattr(spec.cls, "one_lr", False) else lr * 0.5
 
 
+def instance_keys(spec) -> tuple:
+    """Options that an oracle outside torch keeps on its instance, not in its param groups
+    (pytorch_optimizer's ``maximize``, ADOPT's ``clip_lambda``, SOAP's ``data_format``:
+    each funcopt module's ``INSTANCE_KEYS``), and those on which it gives no verdict funcopt
+    could follow (Prodigy's ``fsdp_in_use``: ``NO_ORACLE_VERDICT``)."""
+    import sys
+
+    module = sys.modules[spec.cls.__module__]
+    return tuple(getattr(module, "INSTANCE_KEYS", ())) + tuple(getattr(module, "NO_ORACLE_VERDICT", ()))
+
+
+def without_instance_keys(spec, group: dict, oracle_group: dict) -> dict:
+    """``group`` less the instance keys the oracle's ``oracle_group`` does not hold."""
+    keys = set(instance_keys(spec)) - set(oracle_group)
+    return {k: v for k, v in group.items() if k not in keys}
+
+
+def oracle_form(a, b):
+    """``(a, b)`` as comparable values when one side's state is in an oracle's own form
+    that funcopt stores otherwise: prodigyopt's Python int ``step`` (funcopt: torch's 0-d
+    float32 counter) and its 0-d zero ``p0`` of an all-zero parameter (funcopt: the strided
+    zeros).  Anything else unchanged."""
+    for x, y, swap in ((a, b, False), (b, a, True)):
+        if isinstance(x, torch.Tensor) and x.dim() == 0 and isinstance(y, int) and not isinstance(y, bool):
+            y = torch.tensor(float(y), dtype=x.dtype)
+        elif isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and y.dim() == 0 < x.dim():
+            y = y.to(x.dtype).expand_as(x)
+        else:
+            continue
+        return (y, x) if swap else (x, y)
+    return a, b
+
+
 def same_value(a, b) -> bool:
     """Equal state values: tensors bitwise with the same dtype, anything else by ``==``
     (an oracle outside torch may keep a Python int, e.g. Prodigy's per-parameter ``step``)."""

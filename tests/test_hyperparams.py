@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import inspect
 import math
-import sys
 import os
 import tempfile
 import warnings
@@ -39,6 +38,7 @@ import pytest
 import torch
 
 import funcopt
+from _oracles import instance_keys
 from funcopt.registry import REGISTRY
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -65,18 +65,11 @@ def _torch_declares_tensor(spec, key):
     return "Tensor" in str(inspect.signature(spec.torch_cls.__init__).parameters[key].annotation)
 
 
-def _instance_keys(spec):
-    """Options an oracle outside torch keeps on its instance, not in its param groups
-    (pytorch_optimizer's ``maximize``, ADOPT's ``clip_lambda``): a group edit of one is
-    funcopt's own (each module's ``INSTANCE_KEYS``), the oracle has no verdict on it."""
-    return tuple(getattr(sys.modules[spec.cls.__module__], "INSTANCE_KEYS", ()))
-
-
 def _odd_values(spec):
     """(key, value) pairs to try, made from each option's default."""
     out = []
     for key, default, annotation in _signature(spec):
-        if key in _instance_keys(spec) or callable(default):
+        if key in instance_keys(spec) or callable(default):  # funcopt's own keys: the oracle has no verdict
             continue
         base = spec.base.get(key, default)
         if isinstance(default, bool):

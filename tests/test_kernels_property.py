@@ -55,6 +55,7 @@ def kernels_of(spec):
         mod = sys.modules[cls.__module__]
         for f in vars(mod).values():
             if (inspect.isfunction(f) and f.__module__ == mod.__name__ and f not in found
+                    and not f.__name__.startswith("_")  # the public functional kernels
                     and list(inspect.signature(f).parameters)[:2] == ["params", "grads"]):
                 found.append(f)
     return found
@@ -109,11 +110,13 @@ def test_kernel_empty_lists_are_a_no_op(name, impl, scripted):
     for fn in kernels_of(REGISTRY[name]):
         f = script_object(fn) if scripted else fn
         args = _empty_args(fn, impl == "fused")
-        assert f(**args) is None
+        out = f(**args)  # None, or (a two-phase rule's first pass, Prodigy) sums of nothing: zeros
+        assert out is None or all(v == 0 for v in out)
         assert all(v == [] for v in args.values() if isinstance(v, list))
         # with grad_scale / found_inf given too
         extra = {k: torch.tensor(1.0) for k in ("grad_scale", "found_inf") if k in inspect.signature(fn).parameters}
-        assert f(**args, **extra) is None
+        out = f(**args, **extra)
+        assert out is None or all(v == 0 for v in out)
 
 
 def _run(opt_cls, params, kw, grads_per_step, is_funcopt, scripted):

@@ -51,6 +51,9 @@ from ..base import Optimizer
 from ._common import zeros_like
 from .adopt import _number, check_range, fill_instance_keys, strip_instance_keys
 
+# options the oracle keeps on its instance, not in its param groups (see adopt.strip_instance_keys)
+INSTANCE_KEYS = ("maximize",)
+
 
 def ademamix(
     params: List[Tensor],
@@ -243,6 +246,7 @@ class AdEMAMix(Optimizer):
     """
 
     torch_class = "pytorch_optimizer:AdEMAMix"
+    complex_differs_from_oracle = True  # refused with a RuntimeError (the oracle: NoComplexParameterError)
     kernel_class = AdEMAMixKernel
     sparse_msg = "AdEMAMix does not support sparse gradient."
     slots = (("exp_avg", None), ("exp_avg_sq", None), ("exp_avg_slow", None))
@@ -290,7 +294,7 @@ class AdEMAMix(Optimizer):
         """The oracle's format: ``maximize`` only in a group that differs from
         this optimizer's default, ``step`` once a step ran
         (funcopt.optimizers.adopt.strip_instance_keys)."""
-        return strip_instance_keys(self, super().state_dict(), ("maximize",))
+        return strip_instance_keys(self, super().state_dict(), INSTANCE_KEYS)
 
     def stage_state(self, state_dict: Dict[str, Any]) -> Any:
-        return super().stage_state(fill_instance_keys(self, state_dict, ("maximize",)))
+        return super().stage_state(fill_instance_keys(self, state_dict, INSTANCE_KEYS))

@@ -42,9 +42,14 @@ the same numbers); funcopt never writes into the caller's gradients (the
 oracle adds coupled decay to ``p.grad`` in place); ``fsdp_in_use`` is
 accepted and stored but has no effect: funcopt's sums are always over every
 rank that holds parameters (ZeRO and the RPC optimizer add the partial sums up
-across ranks, ``Optimizer.sum_partials``); per-parameter ``step`` counts
-first passes (the oracle's second), which differs only on a step that stops
-after the first pass.  Sparse and complex gradients are refused.
+across ranks, ``Optimizer.sum_partials``); per-parameter ``step`` is torch's
+0-d float32 counter (the oracle keeps a Python int; each loads the other's) and
+counts first passes (the oracle's second), which differs only on a step that
+stops after the first pass; param groups may differ in ``lr`` only by 0, as the
+oracle requires (``RuntimeError`` before anything changes).  ``slice_p > 1`` under
+ZeRO's flat shards and FSDP2 samples every ``slice_p``-th element of each shard,
+not of the whole parameter: another sample than one process's (``slice_p=1``,
+the default, is exact).  Sparse and complex gradients are refused.
 """
 import math
 from typing import Any, Dict, List, Optional, Tuple
@@ -54,6 +59,11 @@ from torch import Tensor
 
 from ..base import Optimizer
 from ._common import step_tensor, zeros_like
+
+
+# options on which the oracle gives no verdict funcopt could follow: fsdp_in_use (accepted, no
+# effect here; prodigyopt's True sends its sums through CUDA)
+NO_ORACLE_VERDICT = ("fsdp_in_use",)
 
 
 def _strided(t: Tensor, slice_p: int) -> Tensor:
@@ -400,9 +410,9 @@ class Prodigy(Optimizer):
                    ("d_hat", 0.0))
     group_hidden = _HIDDEN
     group_state_lazy = ("d_denom", "d_hat")
-    one_lr = True  # param groups may differ in lr only by 0 (the oracle's rule: one d for all)
+    one_lr = True
+    complex_differs_from_oracle = True  # refused (prodigyopt runs them through a complex dot product)  # param groups may differ in lr only by 0 (the oracle's rule: one d for all)
     phases = 2
-    step_as_int = True
 
     def __init__(self, params: Any, lr: float = 1.0, betas: Tuple[float, float] = (0.9, 0.999),
                  beta3: Optional[float] = None, eps: float = 1e-8, weight_decay: float = 0, decouple: bool = True,

@@ -439,6 +439,7 @@ class AdamWScheduleFree(_Modes, Optimizer):
     """
 
     torch_class = "schedulefree:AdamWScheduleFree"
+    complex_differs_from_oracle = True  # real views, as torch.optim (the oracle squares a complex g)
     kernel_class = AdamWScheduleFreeKernel
     sparse_msg = "AdamWScheduleFree does not support sparse gradients"
     slots = (("z", None), ("exp_avg_sq", None))

@@ -230,3 +230,16 @@ def test_amp_skip_changes_nothing():
     for i, e in before["state"].items():
         for k, v in e.items():
             assert (v == after["state"][i][k]) if k == "step" else torch.equal(v, after["state"][i][k])
+
+
+def test_complex_parameters_refused_unchanged():
+    """funcopt refuses complex parameters (prodigyopt runs them through a complex dot product
+    and a complex d: not a step size)."""
+    p = torch.randn(3, dtype=torch.complex64, requires_grad=True)
+    q = torch.randn(2, requires_grad=True)
+    before = (p.detach().clone(), q.detach().clone())
+    opt = funcopt.Prodigy([q, p])
+    with pytest.raises(RuntimeError, match="complex"):
+        opt.step([torch.ones(2), torch.ones(3, dtype=torch.complex64)])
+    assert torch.equal(p.detach(), before[0]) and torch.equal(q.detach(), before[1])
+    assert not opt.state and opt.param_groups[0]["k"] == 0

@@ -422,3 +422,22 @@ def test_sparse_gradients_are_refused(name):
     opt.train()
     with pytest.raises(RuntimeError, match="does not support sparse gradients"):
         opt.step([torch.sparse_coo_tensor([[0]], [1.0], (3,), check_invariants=True)])
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_complex_parameters_step_their_real_views(name):
+    """A complex parameter is stepped as its real view (torch.optim's convention; the oracle's
+    AdamW squares a complex gradient as a complex number): equal to stepping the real tensors."""
+    g = torch.Generator().manual_seed(0)
+    c = torch.randn(4, 3, dtype=torch.complex64, generator=g)
+    pc = c.clone().requires_grad_()
+    pr = torch.view_as_real(c).clone().requires_grad_()
+    oc, orr = getattr(funcopt, name)([pc], lr=0.05), getattr(funcopt, name)([pr], lr=0.05)
+    for _ in range(5):
+        gc = torch.randn(4, 3, dtype=torch.complex64, generator=g)
+        oc.step([gc])
+        orr.step([torch.view_as_real(gc).clone()])
+    torch.testing.assert_close(torch.view_as_real(pc.detach()), pr.detach(), rtol=1e-6, atol=1e-7)
+    oc.eval()
+    orr.eval()
+    torch.testing.assert_close(torch.view_as_real(pc.detach()), pr.detach(), rtol=1e-6, atol=1e-7)
