@@ -64,6 +64,26 @@ def oracle_form(a, b):
     return a, b
 
 
+def groups_equal(a: list, b: list) -> bool:
+    """Equal param groups; float values to 1e-12 relative (a two-phase rule's sums over several
+    groups -- Prodigy's d_numerator -- add per-group partial sums, the oracle one running sum)."""
+    import math
+
+    if len(a) != len(b):
+        return False
+    for x, y in zip(a, b):
+        if x.keys() != y.keys():
+            return False
+        for k in x:
+            u, v = x[k], y[k]
+            if type(u) is float and type(v) is float:
+                if not (u == v or math.isclose(u, v, rel_tol=1e-12, abs_tol=1e-300)):
+                    return False
+            elif u != v:
+                return False
+    return True
+
+
 def same_value(a, b) -> bool:
     """Equal state values: tensors bitwise with the same dtype, anything else by ``==``
     (an oracle outside torch may keep a Python int, e.g. Prodigy's per-parameter ``step``)."""
