@@ -271,6 +271,9 @@ class Optimizer(torch.optim.Optimizer):
     # complex parameters: not the oracle's numbers by decision (funcopt refuses them, or steps
     # real views where the oracle does complex arithmetic): said in the module docstring
     complex_differs_from_oracle: bool = False
+    # hyperparameters that shape the state (Prodigy's slice_p): refused in a param_groups edit
+    # once the group has state (the oracle fails mid-step on the shapes)
+    fixed_once_stepped: Tuple[str, ...] = ()
     # 2: a sum over every parameter between two passes of the step (Prodigy's d): the core's
     # begin / GroupRule.partial / finish; ``sum_partials`` (a distributed layer's all-reduce)
     # adds the partial sums up across ranks
@@ -783,6 +786,11 @@ class Optimizer(torch.optim.Optimizer):
             missing = set(cached) - set(flat)
             if missing:
                 raise ValueError(f"param_groups[{g}] lost hyperparameters {sorted(missing)}")
+            for key in self.fixed_once_stepped:
+                if cached.get(key) != flat.get(key) and any(
+                        self._slots.state_present(i) for i, gi in enumerate(self._group_of) if gi == g):
+                    raise ValueError(f"param_groups[{g}]: {key}={group.get(key)!r} cannot change after the first "
+                                     f"step (it shapes the state; was {cached.get(key)!r}); set it at construction")
             reset = self._slots_switched_on(g, cached, flat)
             for i in reset:
                 self._slots.set_state(i, [torch.empty(0) for _ in self.slots], False)

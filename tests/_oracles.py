@@ -87,6 +87,7 @@ def groups_equal(a: list, b: list) -> bool:
 def same_value(a, b) -> bool:
     """Equal state values: tensors bitwise with the same dtype, anything else by ``==``
     (an oracle outside torch may keep a Python int, e.g. Prodigy's per-parameter ``step``)."""
+    a, b = oracle_form(a, b)
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
                 and torch.equal(a, b))

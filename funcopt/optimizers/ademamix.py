@@ -251,6 +251,7 @@ class AdEMAMix(Optimizer):
     sparse_msg = "AdEMAMix does not support sparse gradient."
     slots = (("exp_avg", None), ("exp_avg_sq", None), ("exp_avg_slow", None))
     group_state = (("step", 0),)
+    group_state_lazy = ("step",)  # pytorch_optimizer adds group['step'] at the first step
     fused_devices = ()
 
     def __init__(self, params: Any, lr: Any = 1e-3, betas: Tuple[Any, Any, Any] = (0.9, 0.999, 0.9999),

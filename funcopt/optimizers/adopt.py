@@ -308,6 +308,7 @@ class ADOPT(Optimizer):
     sparse_msg = "ADOPT does not support sparse gradient."
     slots = (("exp_avg", None), ("exp_avg_sq", None))
     group_state = (("step", 0),)
+    group_state_lazy = ("step",)  # pytorch_optimizer adds group['step'] at the first step
     fused_devices = ()
     hyper_codes = {"clip_lambda": {None: 0.0, CLIP_DEFAULT: 1.0}}
 

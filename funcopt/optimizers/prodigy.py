@@ -411,7 +411,8 @@ class Prodigy(Optimizer):
     group_hidden = _HIDDEN
     group_state_lazy = ("d_denom", "d_hat")
     one_lr = True
-    complex_differs_from_oracle = True  # refused (prodigyopt runs them through a complex dot product)  # param groups may differ in lr only by 0 (the oracle's rule: one d for all)
+    complex_differs_from_oracle = True  # refused (prodigyopt runs them through a complex dot product)
+    fixed_once_stepped = ("slice_p",)  # it shapes s and p0  # param groups may differ in lr only by 0 (the oracle's rule: one d for all)
     phases = 2
 
     def __init__(self, params: Any, lr: float = 1.0, betas: Tuple[float, float] = (0.9, 0.999),
@@ -456,9 +457,14 @@ class Prodigy(Optimizer):
     @classmethod
     def adapt_entry(cls, p: Tensor, entry: Any, group: Dict[str, Any]) -> Any:
         p0 = entry.get("p0") if isinstance(entry, dict) else None
+        shape = cls.slot_shape("p0", p, group)
         if isinstance(p0, Tensor) and p0.dim() == 0:  # prodigyopt's p0 of an all-zero parameter
-            shape = cls.slot_shape("p0", p, group)
             entry = dict(entry, p0=p0.detach().to(p.dtype).expand(shape).clone())
+        s = entry.get("s") if isinstance(entry, dict) else None
+        if isinstance(s, Tensor) and tuple(s.shape) != shape and s.dim() == 1:
+            raise ValueError(f"Prodigy.load_state_dict: 's' has {s.numel()} elements, but slice_p="
+                             f"{group.get('slice_p')!r} gives {shape[0]} for this parameter (slice_p shapes the "
+                             f"state: load with the slice_p it was saved with)")
         return entry
 
     @classmethod
