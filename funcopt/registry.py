@@ -265,6 +265,16 @@ _SPECS = [
         fixed_decay=[False, True], alpha=[5.0, 0.5], t_alpha_beta3=[None, 10.0], maximize=[False, True]),
         rich=dict(lr=0.01, betas=(0.5, 0.9, 0.99), weight_decay=0.1, weight_decouple=True, alpha=2.0,
                   t_alpha_beta3=10.0, eps=1e-3)),
+    # max_precondition_dim=6: a dimension of 7 gets no factor; merge_dims is in tests/optimizers/test_soap.py
+    # (the oracle fails on a vector with it, and the shared tests step vectors).  rich: no factor larger than
+    # the product of its parameter's other dimensions on the shared tests' models (max_precondition_dim=4, no
+    # precondition_1d): the first eigenbasis of such a rank-deficient factor is arbitrary in its null space, so a
+    # last-bit change of a gradient (ZeRO at W=4 averages in another order) moves SOAP, the oracle too, by ~1%
+    AlgorithmSpec("SOAP", "soap", base=dict(lr=0.01, precondition_frequency=3, max_precondition_dim=6), grid=dict(
+        weight_decay=[0.0, 0.1], precondition_1d=[False, True], correct_bias=[True, False],
+        normalize_gradient=[False, True], maximize=[False, True]),
+        rich=dict(lr=0.01, betas=(0.9, 0.99), shampoo_beta=0.8, weight_decay=0.1, precondition_frequency=2,
+                  max_precondition_dim=4)),
 ]
 
 REGISTRY: Dict[str, AlgorithmSpec] = {s.name: s for s in _SPECS}
