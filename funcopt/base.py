@@ -274,6 +274,9 @@ class Optimizer(torch.optim.Optimizer):
     # hyperparameters that shape the state (Prodigy's slice_p): refused in a param_groups edit
     # once the group has state (the oracle fails mid-step on the shapes)
     fixed_once_stepped: Tuple[str, ...] = ()
+    # the core bumps the slot named "step" before the kernel runs; False: the kernel counts it
+    # itself (Prodigy: in its second pass, which a step may not reach)
+    core_bumps_step: bool = True
     # 2: a sum over every parameter between two passes of the step (Prodigy's d): the core's
     # begin / GroupRule.partial / finish; ``sum_partials`` (a distributed layer's all-reduce)
     # adds the partial sums up across ranks
@@ -516,7 +519,7 @@ class Optimizer(torch.optim.Optimizer):
         names = [name for name, _ in self.slots]
         step_params = params if self._dt is None else self._dt.step_params
         slots = Slots(step_params, group_of, buckets, fused, hyper, len(self.slots),
-                      names.index("step") if "step" in names else -1)
+                      names.index("step") if "step" in names and self.core_bumps_step else -1)
         for i, p in enumerate(params):
             vals = carry.get(id(p))
             if vals is not None:

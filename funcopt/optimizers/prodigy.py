@@ -43,9 +43,8 @@ oracle adds coupled decay to ``p.grad`` in place); ``fsdp_in_use`` is
 accepted and stored but has no effect: funcopt's sums are always over every
 rank that holds parameters (ZeRO and the RPC optimizer add the partial sums up
 across ranks, ``Optimizer.sum_partials``); per-parameter ``step`` is torch's
-0-d float32 counter (the oracle keeps a Python int; each loads the other's) and
-counts first passes (the oracle's second), which differs only on a step that
-stops after the first pass; param groups may differ in ``lr`` only by 0, as the
+0-d float32 counter (the oracle keeps a Python int; each loads the other's),
+counted in the second pass as the oracle's; param groups may differ in ``lr`` only by 0, as the
 oracle requires (``RuntimeError`` before anything changes).  ``slice_p > 1`` under
 ZeRO's flat shards and FSDP2 samples every ``slice_p``-th element of each shard,
 not of the whole parameter: another sample than one process's (``slice_p=1``,
@@ -311,6 +310,7 @@ class ProdigyKernel:
 
     def _second_pass(self, params: List[Tensor], grads: List[Tensor], state: List[List[Tensor]],
                      h: Dict[str, float], v: List[float]) -> None:
+        torch._foreach_add_(state[0], 1.0)  # the per-parameter step (the oracle's state['step'] += 1)
         prodigy_second_pass(params, grads, state[3], state[4], v[1], v[8], v[10], h["eps"], h["weight_decay"],
                             h["decouple"] != 0.0)
 
@@ -345,6 +345,7 @@ class ProdigyKernel:
             for t in state[1]:
                 den = den + t.abs().sum().to(torch.float64)
             gs[16:17 + 1].copy_(torch.where(first > 0, torch.stack([num, den]), gs[16:17 + 1]))
+        torch._foreach_add_(state[0], second.to(torch.float32))  # the step: in the second pass only
         d = gs[1]
         dlr = gs[8] * second
         denom = torch._foreach_sqrt(state[4])
@@ -412,7 +413,8 @@ class Prodigy(Optimizer):
     group_state_lazy = ("d_denom", "d_hat")
     one_lr = True
     complex_differs_from_oracle = True  # refused (prodigyopt runs them through a complex dot product)
-    fixed_once_stepped = ("slice_p",)  # it shapes s and p0  # param groups may differ in lr only by 0 (the oracle's rule: one d for all)
+    fixed_once_stepped = ("slice_p",)  # it shapes s and p0
+    core_bumps_step = False  # counted in the second pass, as the oracle's (a step may stop before it)  # param groups may differ in lr only by 0 (the oracle's rule: one d for all)
     phases = 2
 
     def __init__(self, params: Any, lr: float = 1.0, betas: Tuple[float, float] = (0.9, 0.999),

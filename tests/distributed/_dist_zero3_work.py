@@ -26,6 +26,12 @@ OPTS = {
     "Adam": dict(lr=0.01, weight_decay=0.01),
     "AdamW": dict(lr=0.01, weight_decay=0.1, amsgrad=True),
     "Adagrad": dict(lr=0.05, weight_decay=0.01),
+    # the rules beyond torch (issue 23; oracles: tests/_oracles.py): per-group counters on each
+    # rank's chunks; Prodigy's d summed over the ranks' chunks (funcopt_process_group)
+    "Prodigy": dict(lr=1.0, weight_decay=0.01, d_coef=2.0, use_bias_correction=True),
+    "AdamWScheduleFree": dict(lr=0.01, weight_decay=0.01, warmup_steps=2),
+    "ADOPT": dict(lr=0.01, weight_decay=0.01),
+    "AdEMAMix": dict(lr=0.01, weight_decay=0.01, t_alpha_beta3=5.0),
 }
 
 
@@ -126,7 +132,9 @@ def make_opt(case: Dict[str, Any], params: Any, torch_only: bool = False) -> Any
     name = case["opt"]
     hp = OPTS[name]
     if torch_only or case.get("impl") == "torch":
-        return getattr(torch.optim, name)(params, **hp)
+        from funcopt.registry import REGISTRY
+
+        return REGISTRY[name].torch_cls(params, **hp)  # torch.optim's class, or the oracle outside torch
     opt = getattr(funcopt, name)(params, **hp)
     return funcopt.script(opt) if case.get("impl") == "scripted" else opt
 
@@ -307,7 +315,9 @@ def worker(rank: int, world: int, out_dir: str, cases: List[Dict[str, Any]]) -> 
 def train_cases() -> List[Dict[str, Any]]:
     cases = []
     for opt in OPTS:
-        for impl in ("eager", "scripted", "torch"):
+        # ("torch": torch.optim's own class over the chunks; not an oracle outside torch, e.g. prodigyopt
+        # per chunk would estimate d from one rank's elements)
+        for impl in ("eager", "scripted", "torch") if hasattr(torch.optim, opt) else ("eager", "scripted"):
             cases.append(dict(kind="train", name=f"stack-{opt}-{impl}", model="stack", opt=opt, impl=impl))
     cases += [
         dict(kind="train", name="branchy-Adam", model="branchy", opt="Adam", impl="eager", skip=True),
