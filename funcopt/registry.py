@@ -12,6 +12,7 @@ import functools
 import importlib
 import itertools
 import os
+import re
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional, Type, Union
@@ -421,7 +422,8 @@ def markdown() -> str:
         "`python -c \"import funcopt.registry as r; print(r.markdown(), end='')\" > docs/optimizers.md`",
         "(a test fails when this page and the registry disagree).",
         "Every algorithm is tested bit for bit against the `torch.optim` class of the same",
-        "name, fused and foreach: eager float32 over its whole grid (every combination torch",
+        "name (an algorithm torch.optim lacks: its reference package's class -- `schedulefree`,",
+        "`prodigyopt`, `pytorch_optimizer` -- the test-only oracles in `funcopt[test]`), fused and foreach: eager float32 over its whole grid (every combination torch",
         "accepts); float64 and scripted over the grid's pairwise cover (every value of every",
         "option and every pair of values; `FUNCOPT_FULL_GRID=1`: the whole grid), and under",
         "`torch.compile(fullgraph=True)`.",
@@ -442,17 +444,29 @@ def markdown() -> str:
         "| algorithm | funcopt | oracle | state (torch format) | fused kernel on | grid tested |",
         "|---|---|---|---|---|---|",
     ]
+    import contextlib
+    import io
+
+    def shown(v: Any) -> str:  # a grid value as the page shows it (a function by name: no address)
+        if isinstance(v, list):
+            return "[" + ", ".join(shown(x) for x in v) + "]"
+        return v.__name__ if callable(v) and hasattr(v, "__name__") else repr(v)
+
     for spec in _SPECS:
         state = ", ".join(f"`{n}`" + (f" (if `{c}`)" if c else "") for n, c in spec.cls.slots)
-        grid = "; ".join(f"{k} in {v}" for k, v in spec.grid.items())
-        n = len(list(spec.combos()))
+        grid = "; ".join(f"{k} in {shown(v)}" for k, v in spec.grid.items())
+        with contextlib.redirect_stdout(io.StringIO()):  # an oracle that prints (prodigyopt)
+            n = len(list(spec.combos()))
+        oracle = spec.cls.torch_class
+        oracle = oracle.replace(":", ".") if isinstance(oracle, str) else f"torch.optim.{oracle.__name__}"
         lines.append(
-            f"| {spec.name} | `funcopt.{spec.cls.__name__}` | `torch.optim.{spec.torch_cls.__name__}` "
+            f"| {spec.name} | `funcopt.{spec.cls.__name__}` | `{oracle}` "
             f"| {state} | {', '.join(spec.fused_devices)} | {n} combos: {grid} |"
         )
     for spec in _SPECS:
         module = _sys.modules[spec.cls.__module__]
         sig = str(_inspect.signature(spec.cls.__init__)).replace("self, ", "")
+        sig = re.sub(r"<function (\w+) at 0x[0-9a-f]+>", r"\1", sig)  # a function default, by name
         lines += ["", f"## {spec.name}", "", f"`funcopt.{spec.cls.__name__}{sig}`", ""]
         lines += [_inspect.cleandoc(module.__doc__ or ""), ""]
         lines += [_inspect.cleandoc(spec.cls.__doc__ or "")]

@@ -85,8 +85,12 @@ def groups_equal(a: list, b: list) -> bool:
 
 
 def same_value(a, b) -> bool:
-    """Equal state values: tensors bitwise with the same dtype, anything else by ``==``
-    (an oracle outside torch may keep a Python int, e.g. Prodigy's per-parameter ``step``)."""
+    """Equal state values: tensors bitwise with the same dtype, lists element by element
+    (SOAP's ``GG``/``Q``), anything else by ``==`` (an oracle outside torch may keep a Python
+    int, e.g. Prodigy's per-parameter ``step``, or SOAP's ``precondition_frequency``)."""
+    if isinstance(a, (list, tuple)) or isinstance(b, (list, tuple)):
+        return (isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and len(a) == len(b)
+                and all(same_value(x, y) for x, y in zip(a, b)))
     a, b = oracle_form(a, b)
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype

@@ -425,7 +425,8 @@ def test_enable_state_flag_mid_run():
 
 # ---------------------------------------------------- corrupt state dicts
 def _last_tensor_slot(entry):
-    return next(k for k in reversed(list(entry)) if k != "step" and entry[k].dim() > 0)
+    return next(k for k in reversed(list(entry))
+                if k != "step" and isinstance(entry[k], torch.Tensor) and entry[k].dim() > 0)
 
 
 def _other_class_sd(spec):

@@ -298,4 +298,6 @@ class AdEMAMix(Optimizer):
         return strip_instance_keys(self, super().state_dict(), INSTANCE_KEYS)
 
     def stage_state(self, state_dict: Dict[str, Any]) -> Any:
+        """As :meth:`funcopt.Optimizer.stage_state`; a group without the options the oracle
+        keeps on its instance (``INSTANCE_KEYS``) takes this optimizer's constructor values."""
         return super().stage_state(fill_instance_keys(self, state_dict, INSTANCE_KEYS))

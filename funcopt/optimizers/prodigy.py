@@ -458,6 +458,8 @@ class Prodigy(Optimizer):
 
     @classmethod
     def adapt_entry(cls, p: Tensor, entry: Any, group: Dict[str, Any]) -> Any:
+        """A loaded entry as funcopt keeps it: prodigyopt's 0-d ``p0`` of an all-zero
+        parameter becomes the strided zeros; an ``s`` shaped by another ``slice_p`` is refused."""
         p0 = entry.get("p0") if isinstance(entry, dict) else None
         shape = cls.slot_shape("p0", p, group)
         if isinstance(p0, Tensor) and p0.dim() == 0:  # prodigyopt's p0 of an all-zero parameter
@@ -471,6 +473,8 @@ class Prodigy(Optimizer):
 
     @classmethod
     def slot_shape(cls, name: str, p: Tensor, group: Any = None) -> Optional[Tuple[int, ...]]:
+        """``step`` 0-d; ``s`` and ``p0`` every ``slice_p``-th element of the flattened
+        parameter (``group``'s ``slice_p``, 1 without a group); the moments shaped like ``p``."""
         if name == "step":
             return ()
         if name in ("s", "p0"):

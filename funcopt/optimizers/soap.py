@@ -761,6 +761,7 @@ class SOAP(Optimizer):
              + tuple((f"Q{k}", None) for k in range(MAX_ORDER))
              + (("precondition_frequency", None), ("shampoo_beta", None), ("dims", None)))
     group_state = (("step", 0),)
+    group_state_lazy = ("step",)  # pytorch_optimizer adds group['step'] at the first step
     hyper_codes = {"data_format": DATA_FORMAT_CODES}
     whole_params = True
     split_first = True  # a parameter's first gradient builds its preconditioner first
