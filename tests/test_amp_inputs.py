@@ -110,7 +110,7 @@ def test_any_nonzero_found_inf_skips_the_step(name, impl, mode):
     after, tw = snapshot(opt)[1], snapshot(twin)[1]
     for i, entry in tw.items():
         for k, v in entry.items():
-            assert torch.equal(after[i][k], v), (i, k)
+            assert same_value(after[i][k], v), (i, k)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -189,7 +189,8 @@ def test_integer_parameters_refused_before_any_change(name, mode):
     torch_opt = REGISTRY[name].torch_cls([torch.zeros(shape, dtype=torch.long)], **KW[name])
     torch_opt.param_groups[0]["params"][0].grad = torch.ones(shape, dtype=torch.long)
     with pytest.raises((RuntimeError, NotImplementedError)):  # torch's own: a kernel's dtype error
-        torch_opt.step()
+        for _ in range(2):  # (SOAP's oracle: its first step only builds the preconditioner)
+            torch_opt.step()
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -160,8 +160,9 @@ def test_refuses_rules_with_per_step_group_values(name):
     with pytest.raises(ValueError, match="once per step"):
         funcopt.step_in_backward(opt)
     assert getattr(opt, "_funcopt_in_backward", None) is None  # nothing installed
-    opt.step([torch.ones_like(p)])  # and it still steps after backward
-    assert not torch.equal(p, torch.zeros_like(p)) or spec.name == "ADOPT"
+    for _ in range(2):  # and it still steps after backward (ADOPT's, SOAP's first step moves nothing)
+        opt.step([torch.ones_like(p)])
+    assert not torch.equal(p, torch.zeros_like(p))
 
 
 def test_refuses_global_gradient_transforms():

@@ -699,13 +699,19 @@ def _check_ranges(group: Mapping[str, Any]) -> None:
         raise ValueError(f"{msg} ({key}={group[key]!r})")
 
     lr = group.get("lr")
-    if lr is not None and lr < 0.0:
-        bad(f"learning rate must be positive. ({lr} > 0)", "lr")
+    if lr is not None and lr < 0.0:  # pytorch_optimizer's NegativeLRError too, where it is imported
+        from .adopt import oracle_error
+
+        raise oracle_error("NegativeLRError", f"learning rate must be positive. ({lr} > 0) (lr={lr!r})")
     betas = group.get("betas")
     if betas is not None:
         for j, name in enumerate(("beta1", "beta2")):
             if not 0.0 <= betas[j] < 1.0:
                 bad(f"{name} must be in the range [0.0, 1.0)", "betas")
+    sb = group.get("shampoo_beta")
+    if sb is not None and (isinstance(sb, bool) or not isinstance(sb, (int, float, Tensor))
+                           or (isinstance(sb, Tensor) and sb.numel() != 1)):
+        raise TypeError(f"SOAP: shampoo_beta must be None or a number, got shampoo_beta={sb!r}")
     for key in ("shampoo_beta", "weight_decay", "eps"):
         if group.get(key) is not None and group[key] < 0.0:
             bad(f"{key} must be non-negative", key)
@@ -762,6 +768,7 @@ class SOAP(Optimizer):
              + (("precondition_frequency", None), ("shampoo_beta", None), ("dims", None)))
     group_state = (("step", 0),)
     group_state_lazy = ("step",)  # pytorch_optimizer adds group['step'] at the first step
+    complex_differs_from_oracle = True  # refused (the oracle raises its NoComplexParameterError)
     hyper_codes = {"data_format": DATA_FORMAT_CODES}
     whole_params = True
     split_first = True  # a parameter's first gradient builds its preconditioner first
@@ -968,4 +975,7 @@ class SOAP(Optimizer):
 
 # what pytorch_optimizer.SOAP keeps on the instance, not in its param groups
 INSTANCE_KEYS = ("data_format", "maximize")
+# the oracle's verdict on a tensor lr cannot be followed: it multiplies the group's lr tensor in
+# place (step_size *= ...), so the lr compounds from step to step; funcopt uses its value
+NO_ORACLE_VERDICT = ("lr",)
 _DEFAULTS = dict(merge_dims=False, max_precondition_dim=10000, precondition_1d=False, data_format="channels_first")
