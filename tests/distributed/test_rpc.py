@@ -47,6 +47,7 @@ import torch.distributed.autograd as dist_autograd  # noqa: E402
 import torch.distributed.rpc as rpc  # noqa: E402
 
 import funcopt  # noqa: E402
+from _oracles import oracle_form, same_value  # noqa: E402
 from funcopt import registry  # noqa: E402
 from funcopt.distributed import DistributedOptimizer  # noqa: E402
 from funcopt.distributed.launch import init_method as launch_init_method  # noqa: E402
@@ -1024,11 +1025,15 @@ def test_state_dicts_torch_format_and_round_trip(job, name):
         for i, entry in ref_sd["state"].items():
             assert sorted(sd["state"][i]) == sorted(entry), (w, i)
             for k, v in entry.items():
-                assert sd["state"][i][k].dtype == v.dtype and sd["state"][i][k].shape == v.shape, (w, i, k)
+                got_v, v = oracle_form(sd["state"][i][k], v)  # prodigyopt's int step (tests/_oracles.py)
+                if not isinstance(v, torch.Tensor):  # SOAP's lists of tensors and numbers
+                    assert same_value(got_v, v), (w, i, k)
+                    continue
+                assert got_v.dtype == v.dtype and got_v.shape == v.shape, (w, i, k)
                 if exact:
-                    assert torch.equal(sd["state"][i][k], v), (w, i, k)
+                    assert torch.equal(got_v, v), (w, i, k)
                 else:
-                    torch.testing.assert_close(sd["state"][i][k], v, rtol=RTOL, atol=ATOL)
+                    torch.testing.assert_close(got_v, v, rtol=RTOL, atol=ATOL)
         # and torch.optim loads it as its own
         local = [p.detach().clone().requires_grad_() for p in got["saved_params"][w]]
         registry.REGISTRY[name].torch_cls(local, **kw).load_state_dict(sd)
@@ -1039,7 +1044,7 @@ def test_state_dicts_torch_format_and_round_trip(job, name):
         assert again["state"][w]["param_groups"] == first["state"][w]["param_groups"]
         for i, entry in first["state"][w]["state"].items():
             for k, v in entry.items():
-                assert torch.equal(again["state"][w]["state"][i][k], v), (name, w, i, k)
+                assert same_value(again["state"][w]["state"][i][k], v), (name, w, i, k)
 
 
 def test_load_state_dicts_errors(job):
