@@ -169,6 +169,8 @@ def cases(world: int = 2) -> List[Dict[str, Any]]:
     names = []
     k = 0
     for name, spec in REGISTRY.items():
+        if spec.cls.group_state or spec.cls.phases != 1:
+            continue  # a rule with per-step group values: ddp_step_hook refuses it (test_backward)
         fused = "cpu" in spec.fused_devices
         if full or world == 2 or fused or k % 2 == (0 if world == 4 else 1):
             names.append(name)

@@ -151,7 +151,9 @@ def first_mismatch_list(want: List[torch.Tensor], model: torch.nn.Module, when: 
 
 
 def cases() -> List[Dict[str, Any]]:
-    out = [dict(kind="plain", algo=name, name=f"zero-{name}") for name in REGISTRY]
+    # (not the rules with per-step group values: overlap_with_ddp refuses them at construction)
+    out = [dict(kind="plain", algo=name, name=f"zero-{name}") for name, spec in REGISTRY.items()
+           if not (spec.cls.group_state or spec.cls.phases != 1)]
     out.append(dict(kind="unused", algo="Adam", impl=dict(foreach=True), name="zero-unused-foreach"))
     out += [dict(kind="plain", algo="Adam", interleaved=True, name="zero-interleaved"),
             dict(kind="plain", algo="SGD", view=True, interleaved=True, name="zero-bucket-view"),
