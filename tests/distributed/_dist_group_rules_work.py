@@ -62,5 +62,21 @@ def run(case: Dict[str, Any], rank: int = 0, world: int = 1) -> Dict[str, Any]:
     return out
 
 
+def refuse_overlap() -> Dict[str, Any]:
+    """ZeRO's overlap_with_ddp steps per DDP bucket inside backward: refused at construction
+    for every rule with per-step group values (the same verdict on every rank)."""
+    out = {}
+    for algo in HYPER:
+        model = Net("small")
+        try:
+            ZeroRedundancyOptimizer(model.parameters(), getattr(funcopt, algo), overlap_with_ddp=True,
+                                    **HYPER[algo])
+            out[algo] = None
+        except ValueError as e:
+            out[algo] = str(e)
+    return out
+
+
 def worker(rank: int, world: int, out_dir: str, todo: List[Dict[str, Any]]) -> None:
-    run_cases(rank, out_dir, todo, lambda c: run(c, rank, world))
+    run_cases(rank, out_dir, todo + [dict(name="refuse-overlap")],
+              lambda c: refuse_overlap() if c["name"] == "refuse-overlap" else run(c, rank, world))

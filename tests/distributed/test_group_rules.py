@@ -62,3 +62,13 @@ def test_matches_one_process_on_every_rank(run, world, case):
         assert any(not torch.equal(a, b) for a, b in zip(ref["trained"], ref["eval"]))
     else:  # d grew from d0: the sums over every rank reached it
         assert ref["groups"][0]["d"] > 1e-6
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_overlap_with_ddp_refuses_them(run, world):
+    spawned, results = run(world)
+    for rank in range(world):
+        got = case_result(spawned, results, "refuse-overlap", rank)
+        assert set(got) == set(W.HYPER)
+        for algo, msg in got.items():
+            assert msg is not None and "once per step" in msg and algo in msg, (rank, algo, msg)
