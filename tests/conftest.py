@@ -168,6 +168,11 @@ REST = [
     (r"tests/optimizers/test_native\.py::test_killed_build_then_two_concurrent_builders",
      "three builds of the native library in fresh processes (~60-90 s on 2 cores); the default tier builds "
      "it once and tests the fallback with a broken compiler (test_native)"),
+    (r"tests/(test_\w+|optimizers/test_blocked)\.py::\w+\[(.*-)?(AdamWScheduleFree|SGDScheduleFree|Prodigy|ADOPT|AdEMAMix|SOAP)[-\]]",
+     "the registry-driven contract, parity, state-dict, layout and property cases of the six rules beyond torch "
+     "(issue 23); the default tier runs each one's own oracle tests (tests/optimizers/test_{schedulefree,prodigy,"
+     "adopt,ademamix,soap}.py: parity eager/scripted/compiled, None gradients, layouts, state dicts both ways, "
+     "refusals) and tests/distributed/test_group_rules.py"),
     (r"tests/embed/",
      "compiles a libtorch C++ program (~20 s); the default tier loads saved train steps in a Python process "
      "that never imports funcopt (test_script, test_native)"),
