@@ -91,6 +91,8 @@ def _empty_args(fn, fused):
     args = {}
     for pname, param in inspect.signature(fn).parameters.items():
         hint = hints.get(pname)
+        if pname in ("grad_scale", "found_inf"):
+            continue  # given separately below
         if hint == typing.List[torch.Tensor]:
             args[pname] = []
         elif pname == "fused":
