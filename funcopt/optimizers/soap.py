@@ -602,7 +602,7 @@ class SOAPKernel:
                 merged = merge_small_dims(_channels_first(shape) if channels_last and len(shape) == 4 else shape,
                                           max_dim)
                 if _numel(merged) != n:
-                    raise RuntimeError(
+                    raise ValueError(
                         "funcopt: parameter " + str(i) + " of shape " + str(shape) + " cannot be merged with "
                         "merge_dims=True and max_precondition_dim=" + str(max_dim) + ": all its " + str(n)
                         + " elements fit in one merged dimension, which pytorch_optimizer's merge_small_dims "

@@ -12,8 +12,11 @@ import torch
 warnings.filterwarnings("ignore")
 import _lightning_common as L  # noqa: E402
 
+import _oracles  # noqa: E402
 from _common import snapshot  # noqa: E402
 from funcopt.registry import REGISTRY  # noqa: E402
+
+_oracles.install()  # Schedule-Free's oracles built in train mode, as under pytest (tests/_oracles.py)
 
 
 def main(out: str) -> None:
@@ -24,7 +27,10 @@ def main(out: str) -> None:
             module = L.Module(name, flavour)
             if flavour == "torch":
                 results[(name, "init")] = snapshot(module.parameters())
-            L.fit(module, Path(out).parent / f"ddp-{name}-{flavour}", max_epochs=1, strategy="ddp", devices=2,
+            # one optimizer step per epoch (2 batches per rank, accumulated); SOAP's first step
+            # only sets its preconditioner up (as pytorch_optimizer's): a second epoch moves it
+            epochs = 2 if name == "SOAP" else 1
+            L.fit(module, Path(out).parent / f"ddp-{name}-{flavour}", max_epochs=epochs, strategy="ddp", devices=2,
                   accumulate_grad_batches=2, gradient_clip_val=0.5)
             results[(name, flavour)] = snapshot(module.parameters())
             rank = module.global_rank

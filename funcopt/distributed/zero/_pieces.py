@@ -14,7 +14,7 @@ the full ``torch.optim`` state; ZeRO's consolidation, ``load_state_dict``,
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -39,8 +39,22 @@ def local_pieces(segments: Sequence[Segment], local_state: Dict[Any, Dict[str, A
     return out
 
 
+# (param, slot name) -> the slot's shape in the full state (None: the parameter's); see
+# ShardState: Prodigy keeps s and p0 flattened, as prodigyopt does
+SlotShape = Optional[Callable[[int, str], Optional[Tuple[int, ...]]]]
+
+
+def element_shape(i: int, name: str, shape: Tuple[int, ...], slot_shape: SlotShape) -> Tuple[int, ...]:
+    """The shape slot ``name`` of parameter ``i`` (of ``shape``) has as one value per element."""
+    if slot_shape is not None:
+        want = slot_shape(i, name)
+        if want is not None and numel_of(want) == numel_of(shape):
+            return tuple(want)
+    return tuple(shape)
+
+
 def _shape_like(t: Tensor, shape: Tuple[int, ...]) -> Tensor:
-    """A flat element tensor of a whole parameter in the parameter's shape."""
+    """A flat element tensor of a whole parameter in ``shape`` (the parameter's or its slot's)."""
     if t.dim() == 1 and tuple(t.shape) != tuple(shape) and t.numel() == numel_of(shape):
         return t.reshape(shape)
     return t
@@ -54,16 +68,17 @@ def numel_of(shape: Sequence[int]) -> int:
 
 
 def segment_state(s: Segment, have: List[Tuple[int, int, Dict[str, Any]]], shape: Tuple[int, ...],
-                  local_shape: Tuple[int, ...]) -> Dict[str, Any]:
+                  local_shape: Tuple[int, ...], slot_shape: SlotShape = None) -> Dict[str, Any]:
     """The state of segment ``s`` (of a parameter of ``shape``) cut from the pieces
     ``have`` = [(start, length, entry)] of that parameter; element tensors come out
-    in ``local_shape`` (the parameter's shape for a whole segment, else 1-D)."""
+    in ``local_shape`` (the parameter's or its slot's shape for a whole segment, else 1-D)."""
     numel = numel_of(shape)
     have = sorted(have, key=lambda x: x[0])
     if is_whole(s.start, s.length, numel):
         for start, length, entry in have:
             if is_whole(start, length, numel):
-                return {n: (_shape_like(v, local_shape).clone() if isinstance(v, Tensor) else v) for n, v in entry.items()}
+                return {n: (_shape_like(v, element_shape(s.param, n, local_shape, slot_shape)).clone()
+                            if isinstance(v, Tensor) else v) for n, v in entry.items()}
     out: Dict[str, Any] = {}
     for name, first in have[0][2].items():
         if not isinstance(first, Tensor) or first.dim() == 0:
@@ -83,8 +98,10 @@ def segment_state(s: Segment, have: List[Tuple[int, int, Dict[str, Any]]], shape
     return out
 
 
-def full_state(pieces: Sequence[Piece], shapes: Sequence[Tuple[int, ...]]) -> Dict[int, Dict[str, Any]]:
-    """The ``torch.optim`` ``state`` (keyed by global parameter index) assembled from pieces."""
+def full_state(pieces: Sequence[Piece], shapes: Sequence[Tuple[int, ...]],
+               slot_shape: SlotShape = None) -> Dict[int, Dict[str, Any]]:
+    """The ``torch.optim`` ``state`` (keyed by global parameter index) assembled from pieces;
+    element tensors in their slot's shape (``slot_shape``), by default the parameter's."""
     by_param: Dict[int, List[Tuple[int, int, Dict[str, Any]]]] = {}
     for i, start, length, entry in pieces:
         by_param.setdefault(i, []).append((start, length, entry))
@@ -94,7 +111,8 @@ def full_state(pieces: Sequence[Piece], shapes: Sequence[Tuple[int, ...]]) -> Di
         numel = numel_of(shape)
         whole = [e for start, length, e in have if is_whole(start, length, numel)]
         if whole:
-            state[i] = {n: (_shape_like(v, shape) if isinstance(v, Tensor) else v) for n, v in whole[0].items()}
+            state[i] = {n: (_shape_like(v, element_shape(i, n, shape, slot_shape)) if isinstance(v, Tensor) else v)
+                        for n, v in whole[0].items()}
             continue
         have.sort(key=lambda x: x[0])
         entry: Dict[str, Any] = {}
@@ -102,6 +120,7 @@ def full_state(pieces: Sequence[Piece], shapes: Sequence[Tuple[int, ...]]) -> Di
             if not isinstance(first, Tensor) or first.dim() == 0:
                 entry[name] = first
             else:
-                entry[name] = torch.cat([e[name].reshape(-1) for _, _, e in have]).view(shape)
+                entry[name] = torch.cat([e[name].reshape(-1) for _, _, e in have]).view(
+                    element_shape(i, name, shape, slot_shape))
         state[i] = entry
     return state

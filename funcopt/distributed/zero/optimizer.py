@@ -32,7 +32,7 @@ from ._grads import GradShards
 from ._sync import ParamSync
 from .overlap import ZeroOverlap
 from .layout import PARTITIONS, Layout, Segment, make_layout
-from .state import Piece, ShardState, hyperparameters
+from .state import Piece, ShardState, cut_problem, hyperparameters
 
 _NOT_HYPER = state_format.NON_HYPER
 
@@ -261,9 +261,15 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
             pieces = self._gather_pieces() if carry_state else None
             if getattr(self, "_sync", None) is not None:
                 self._sync.wait_all()
-            self.layout: Layout = make_layout(
+            layout = make_layout(
                 [p.numel() for p in params], [p.dtype for p in params],
                 [len(g["params"]) for g in self.param_groups], self.world_size, self.partition)
+            if not self._eager:  # judged on every rank over every rank's segments: one verdict
+                problem = cut_problem(self.spec.cls, [s for r in range(self.world_size)
+                                                      for s in layout.segments(r)], params, self.param_groups)
+                if problem is not None:
+                    raise ValueError(problem)
+            self.layout: Layout = layout
             self._segments: List[Segment] = self.layout.segments(self.rank)
             self._sync = ParamSync(params, self.layout, self.rank, self.process_group,
                                    self.parameters_as_bucket_view, self.bucket_size_mb)

@@ -28,6 +28,25 @@ def hyperparameters(group: Dict[str, Any]) -> Dict[str, Any]:
     return {k: v for k, v in group.items() if k not in _NOT_HYPER}
 
 
+def cut_problem(cls: Any, segments: Sequence[Segment], params: List[Tensor],
+                param_groups: List[Dict[str, Any]]) -> Optional[str]:
+    """Why the funcopt class ``cls`` cannot step the element ranges ``segments`` (every
+    rank's) cut from ``params``: a slot that is not one value per element (Prodigy's ``s``
+    with ``slice_p > 1``: every slice_p-th element of the whole parameter); None if it can."""
+    group_of = [g for g in param_groups for _ in g["params"]]
+    for s in segments:
+        p = params[s.param]
+        if _pieces.is_whole(s.start, s.length, p.numel()):
+            continue
+        for name, _ in cls.slots:
+            shape = cls.slot_shape(name, p, group_of[s.param])
+            if shape is not None and len(shape) > 0 and _pieces.numel_of(shape) != p.numel():
+                return (f"partition='flat' cuts parameter {s.param} (shape {tuple(p.shape)}) between ranks, but "
+                        f"{cls.__name__}'s state '{name}' of it has shape {tuple(shape)}, not one value per "
+                        f"element (its param group's options): use partition='greedy' (whole parameters)")
+    return None
+
+
 class ShardState:
     """The local optimizer over ``segments`` and the conversions of its state.
 
@@ -68,6 +87,12 @@ class ShardState:
             groups[gid[s.param]]["params"].append(t)
         self.local_gid = [gid[s.param] for s in self.segments]
         self.optim = make_optimizer(groups)
+        # the full state keeps each slot in the class's shape (Prodigy's flattened s and p0)
+        self._slot_shape: _pieces.SlotShape = None
+        if not eager:
+            cls, group_of = type(self.optim), [param_groups[g] for g in gid]
+            names = {name for name, _ in cls.slots}  # not the state dict's other keys (SOAP's GG list)
+            self._slot_shape = lambda i, name: cls.slot_shape(name, params[i], group_of[i]) if name in names else None
 
     def view(self, params: List[Tensor]) -> Dict[Any, Dict[str, Any]]:
         """What ZeRO shows as ``state``: every parameter, with the local optimizer's
@@ -105,7 +130,7 @@ class ShardState:
             have = by_param.get(s.param)
             if have:
                 state[k] = _pieces.segment_state(s, have, self.shapes[s.param],
-                                                 shape if shape is not None else (s.length,))
+                                                 shape if shape is not None else (s.length,), self._slot_shape)
         groups = [dict({k: v for k, v in g.items() if k != "params"}, params=[]) for g in self.optim.param_groups]
         for k, gi in enumerate(self.local_gid):
             groups[gi]["params"].append(k)
@@ -131,7 +156,7 @@ class ShardState:
     # --------------------------------------------------------- torch format
     def full_state(self, pieces: Sequence[Piece], param_groups: List[Dict[str, Any]]) -> Dict[str, Any]:
         """The ``torch.optim`` state dict assembled from every rank's pieces."""
-        return {"state": _pieces.full_state(pieces, self.shapes),
+        return {"state": _pieces.full_state(pieces, self.shapes, self._slot_shape),
                 "param_groups": state_format.pack_groups(param_groups)}
 
     def stage_full(self, state_dict: Dict[str, Any], param_groups: List[Dict[str, Any]]) -> Tuple[List[Dict[str, Any]], Any]:
@@ -168,9 +193,15 @@ class ShardState:
             # Adafactor's factored rows and columns)
             cut = i in cut_params
             for name, t in entry.items():
-                if cut and isinstance(t, Tensor) and t.dim() > 0 and tuple(t.shape) != shape:
-                    raise ValueError(f"'{name}' of parameter {sid!r} has shape {tuple(t.shape)}, parameter has {shape}")
-            pieces.append((i, 0, numel, {n: (t if isinstance(t, Tensor) else torch.tensor(float(t))) for n, t in entry.items()}))
+                if not (cut and isinstance(t, Tensor) and t.dim() > 0):
+                    continue
+                want = _pieces.element_shape(i, name, shape, self._slot_shape)
+                if tuple(t.shape) != want:
+                    raise ValueError(f"'{name}' of parameter {sid!r} has shape {tuple(t.shape)}, expected {want}")
+            # a number (torch's old float step, prodigyopt's int step) as a 0-d tensor; lists (SOAP's
+            # GG / Q) and other values go to the local optimizer's checks as they are
+            pieces.append((i, 0, numel, {n: (torch.tensor(float(t)) if isinstance(t, (int, float))
+                                             and not isinstance(t, bool) else t) for n, t in entry.items()}))
         return groups, self.stage(pieces, [hyperparameters(g) for g in groups])
 
     def nbytes(self) -> int:
