@@ -173,6 +173,19 @@ REST = [
      "(issue 23); the default tier runs each one's own oracle tests (tests/optimizers/test_{schedulefree,prodigy,"
      "adopt,ademamix,soap}.py: parity eager/scripted/compiled, None gradients, layouts, state dicts both ways, "
      "refusals) and tests/distributed/test_group_rules.py"),
+    (r"tests/distributed/test_group_rules\.py::\w+\[4-",
+     "the per-group rules under ZeRO-1/2 at world size 4 (a second pool of ranks); the default tier runs every "
+     "case at world size 2 (flat and greedy, ZeRO-1 and -2)"),
+    (r"tests/distributed/test_rpc\.py::(test_matches_local_torch_optim\[parity:(AdamWScheduleFree|SGDScheduleFree|"
+     r"Prodigy|ADOPT|AdEMAMix|SOAP):(first:torch|last:funcopt)\]|test_three_trainers_in_turn_match_local_torch_optim"
+     r"\[(AdamWScheduleFree|SGDScheduleFree|ADOPT|AdEMAMix|SOAP)\])",
+     "the six rules beyond torch through the RPC optimizer beyond one parity run each (the oracle-class trainer, "
+     "the last combination, three trainers in turn); the default tier runs each one's first combination with "
+     "funcopt's class and Prodigy's three trainers (its two-round step under contention)"),
+    (r"tests/distributed/test_zero3\.py::test_training_matches_torch\[stack-(AdamWScheduleFree|SGDScheduleFree|"
+     r"Prodigy|ADOPT|AdEMAMix|SOAP)-(eager-[14]|scripted-[12])\]",
+     "ZeRO-3 of the rules beyond torch at the other world sizes and modes; the default tier runs each one eager "
+     "at world size 2 and scripted at 4"),
     (r"tests/embed/",
      "compiles a libtorch C++ program (~20 s); the default tier loads saved train steps in a Python process "
      "that never imports funcopt (test_script, test_native)"),

@@ -167,12 +167,15 @@ def data():
 
 
 @pytest.fixture(scope="module")
-def child_results(tmp_path_factory, data):
-    """Script + save every case, then train them in fresh processes (two, half each)."""
+def child_results(tmp_path_factory, data, request):
+    """Script + save every case this run selected (its tier, ``-k``), then train them in
+    fresh processes (two, half each)."""
     d = tmp_path_factory.mktemp("jit")
     torch.save(data, d / "data.pt")
+    selected = {item.callspec.params["case"] for item in request.session.items
+                if getattr(item, "originalname", None) == "test_saved_module_trains_without_funcopt"}
     args = []
-    for case in MODULE_CASES:
+    for case in [c for c in MODULE_CASES if c in selected]:
         m = _build(case)
         args.append(case + "=" + ",".join(map(str, _taken(case, list(m.net.parameters())))))
         with quiet_jit():
@@ -180,7 +183,7 @@ def child_results(tmp_path_factory, data):
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     # two fresh processes, each training half of the cases (the 2-core machine: the
     # executor's first calls of each loaded module dominate, one core per process)
-    halves = [args[0::2], args[1::2]]
+    halves = [half for half in (args[0::2], args[1::2]) if half]
     procs = [subprocess.Popen([sys.executable, "-c", CHILD, f"result{i}.pt", *half], cwd=d, env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for i, half in enumerate(halves)]
