@@ -288,18 +288,29 @@ class Core:
         grad_scale: Optional[Tensor] = None,
         found_inf: Optional[Tensor] = None,
     ) -> None:
-        if self.phases == 2:  # one process: the first pass's sums are the totals
-            self.begin(grads, grad_scale, found_inf)
-            self.finish(self.partials())
-            return
         s = self.slots
         # every check first, then changes
         idx, gs, odd = s.select(grads, grad_scale, found_inf, self.sparse_msg)
         self._check(idx, gs, odd)
         found_inf = found_inf_flag(found_inf)
-        if self.grouped:
-            self._groups(found_inf)
-        self._buckets(idx, gs, odd, grad_scale, found_inf)
+        if self.phases == 2:  # as begin(): a skipped step ends here, the passes see no flag
+            if skip_step(found_inf):
+                s.release()
+                return
+            found_inf = None
+        # one loop over the passes, not begin() + finish(): the scripted step's graph holds the
+        # bucket loop once (TorchScript inlines every method call; the profiling executor's
+        # first calls cost in proportion to the graph, for every rule)
+        for phase in range(self.phases):
+            if phase == 0:
+                self.bumping = True
+                if self.grouped:
+                    self._groups(found_inf)
+            else:  # a two-phase rule in one process: the first pass's sums are the totals
+                self.rule.combine(s.groups, self.rule.partial(s.groups))
+                self.bumping = False
+            self._buckets(idx, gs, odd, grad_scale, found_inf)
+        self.bumping = True
         s.release()
 
     def begin(

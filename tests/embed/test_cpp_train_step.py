@@ -3,7 +3,8 @@ in a C++ program linked against libtorch only (``examples/cpp/train_step.cpp``):
 no Python, no funcopt, no funcopt native library.  Its parameters after the
 C++ steps equal the same steps run eagerly in Python, bitwise, for an
 algorithm with a native rule (RMSprop: ``opt.core`` steps with the foreach
-formula, ATen ops only) and one with an ATen fused kernel (Adam).
+formula, ATen ops only), one with an ATen fused kernel (Adam), and three of the
+rules beyond torch (Prodigy, AdamWScheduleFree, SOAP).
 
 The program is built with the compiler funcopt's native kernels use; where
 none works the test is skipped, naming it.
@@ -58,7 +59,9 @@ def program(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("algo", ["RMSprop", "Adam"])
+# + rules beyond torch (issue 23): per-group values and a two-phase step (Prodigy),
+# the train-mode interpolation (Schedule-Free), a whole-parameter eigenbasis (SOAP)
+@pytest.mark.parametrize("algo", ["RMSprop", "Adam", "Prodigy", "AdamWScheduleFree", "SOAP"])
 def test_cpp_program_trains_the_saved_step(program, algo, tmp_path):
     ex = _example()
     cls = getattr(funcopt, algo)
