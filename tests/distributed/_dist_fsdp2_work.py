@@ -33,10 +33,12 @@ def cases() -> List[Dict[str, Any]]:
     the single-process tests); funcopt's ZeRO-1 (scripted by construction) stepped with
     ``step(closure)`` and ``step(closure=...)``, and checkpointed through DCP like the
     others (``zero-dcp``: ``get_state_dict`` gathers its shards on every rank)."""
-    # (the rules beyond torch, issue 23, not yet: FSDP2 + DCP of their state -- Prodigy's flattened
-    # s/p0, SOAP's list state -- is open work, docs/limits.md)
+    # the rules beyond torch (issue 23): FSDP2 and ZeRO through DCP (the modes whose state
+    # layout is their own: DTensor shards, ZeRO's gathered pieces); DDP steps whole tensors
+    # in every rank as one process does (tests/optimizers/ test them there)
     return [dict(name=f"{mode}-{name}-{'scripted' if s else 'eager'}", mode=mode, algo=name, scripted=s)
-            for mode in MODES for name in REGISTRY if REGISTRY[name].oracle_package is None
+            for mode in MODES for name in REGISTRY
+            if REGISTRY[name].oracle_package is None or mode in ("fsdp2", "zero-dcp")
             for s in ((False, True) if mode == "fsdp2" else (False,))]
 
 

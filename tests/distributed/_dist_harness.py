@@ -299,6 +299,13 @@ def assert_state_dict_close(got: Dict[str, Any], want: Dict[str, Any], what: str
         assert sorted(mine) == sorted(entry), f"{what}: state[{pid}] keys {sorted(mine)}, expected {sorted(entry)}"
         for name, w in entry.items():
             g = mine[name]
+            if isinstance(w, (list, tuple)):  # SOAP's GG / Q: one matrix per preconditioned dimension
+                assert isinstance(g, (list, tuple)) and len(g) == len(w), f"{what}: state[{pid}][{name}] length"
+                for k, (a, b) in enumerate(zip(g, w)):
+                    assert a.shape == b.shape and a.dtype == b.dtype, f"{what}: state[{pid}][{name}][{k}] shape"
+                    torch.testing.assert_close(a, b, rtol=rtol, atol=atol,
+                                               msg=lambda m: f"{what}: state[{pid}][{name}][{k}]: {m}")
+                continue
             if not isinstance(w, torch.Tensor) and isinstance(g, torch.Tensor) and g.dim() == 0:
                 w = torch.tensor(float(w), dtype=g.dtype)  # an oracle's int step (prodigyopt): torch's 0-d counter
             assert isinstance(g, torch.Tensor) == isinstance(w, torch.Tensor), f"{what}: state[{pid}][{name}] type"
@@ -310,9 +317,22 @@ def assert_state_dict_close(got: Dict[str, Any], want: Dict[str, Any], what: str
             torch.testing.assert_close(g, w, rtol=rtol, atol=atol, msg=lambda m: f"{what}: state[{pid}][{name}]: {m}")
 
 
+def state_tensors(value: Any, key: str = "") -> List[torch.Tensor]:
+    """The tensors state entry ``key`` holds as funcopt holds them: a tensor, the matrices of a
+    list (SOAP's GG / Q), a Python number ``step`` as a 0-d float32 counter (prodigyopt's int
+    step); other numbers are options (SOAP's per-parameter precondition_frequency), no tensor."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in state_tensors(v)]
+    if key == "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return [torch.tensor(float(value))]
+    return []
+
+
 def state_tensor_bytes(sd: Dict[str, Any]) -> int:
-    return sum(t.numel() * t.element_size() for e in sd["state"].values() for t in e.values()
-               if isinstance(t, torch.Tensor))
+    return sum(t.numel() * t.element_size() for e in sd["state"].values() for k, v in e.items()
+               for t in state_tensors(v, k))
 
 
 def assert_sd_close(got: Dict[str, torch.Tensor], want: Dict[str, torch.Tensor], what: str,

@@ -74,7 +74,12 @@ def state_mismatch(o_ref: Any, o: Any) -> Optional[str]:
         return f"state ids {sorted(s['state'])} vs {sorted(sr['state'])}"
     for i, e in sr["state"].items():
         for k, v in e.items():
-            if not torch.equal(v, s["state"][i][k]):
+            w = s["state"][i][k]
+            if isinstance(v, (list, tuple)):  # SOAP's GG / Q: a matrix per preconditioned dimension
+                same = isinstance(w, (list, tuple)) and len(v) == len(w) and all(map(torch.equal, v, w))
+            else:
+                same = isinstance(w, torch.Tensor) and torch.equal(v, w) if isinstance(v, torch.Tensor) else v == w
+            if not same:
                 return f"state[{i}][{k}] differs"
     return None
 

@@ -106,9 +106,7 @@ def cases(world: int = 2) -> List[Dict[str, Any]]:
     """Every algorithm at W=2 (FUNCOPT_FULL_GRID=1: at every world size), the
     special cases at every world size."""
     full = world == 2 or os.environ.get("FUNCOPT_FULL_GRID") == "1"
-    # (the rules beyond torch, issue 23, not yet: see _dist_zero_work.BEYOND_TORCH and docs/limits.md)
-    out = [dict(kind="plain", algo=name, name=f"fwd-{name}") for name in REGISTRY
-           if (full or name == "Adam") and REGISTRY[name].oracle_package is None]
+    out = [dict(kind="plain", algo=name, name=f"fwd-{name}") for name in REGISTRY if full or name == "Adam"]
     out += [dict(kind="plain", algo="Adam", stage=2, name="fwd-zero2"),
             dict(kind="plain", algo="SGD", view=True, name="fwd-bucket-view"),
             dict(kind="plain", algo="Adam", stage=2, view=True, bucket_mb=1, name="fwd-zero2-view"),

@@ -19,6 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from funcopt.distributed import ZeroRedundancyOptimizer
 from funcopt.registry import REGISTRY
 
+from _oracles import other_lr
 from _dist_harness import (Net, allreduce_mean_grads, batch, local_slice, run_cases, snapshot)
 
 STEPS, CONT = 10, 3  # steps before consolidating, then steps continued from there
@@ -27,14 +28,11 @@ STEPS, CONT = 10, 3  # steps before consolidating, then steps continued from the
 # (rich, and rich with maximize where torch has it)
 HYPER = {name: spec.configs() for name, spec in REGISTRY.items()}
 # the matrix runs the Net below (matrices and bias vectors): algorithms for
-# matrices only (Muon) have their own cases
-# The rules beyond torch (issue 23: oracles outside torch) are not in this matrix yet: its cases
-# run the oracle class under ZeRO and compare consolidated states in the oracle's format, and
-# failures there (Prodigy's flattened s/p0 in consolidation, the greedy-view layout) are open work
-# (docs/limits.md).  Their ZeRO coverage today: test_group_rules.py (ZeRO-1/2 at W=2, 4: modes,
-# Prodigy's d, the group values) and test_zero3.py.
+# matrices only (Muon) have their own cases.  The rules beyond torch (issue 23) run their
+# oracle classes (cls="torch": ZeRO resolves an oracle class to funcopt's rule) and compare
+# consolidated states in the oracle's format (prodigyopt's int step, SOAP's GG/Q lists).
 BEYOND_TORCH = {name for name, spec in REGISTRY.items() if spec.oracle_package is not None}
-MATRIX_ALGOS = [name for name, spec in REGISTRY.items() if len(spec.probe_shape) < 2 and name not in BEYOND_TORCH]
+MATRIX_ALGOS = [name for name, spec in REGISTRY.items() if len(spec.probe_shape) < 2]
 
 
 def _case(name: str, algo: str, **kw: Any) -> Dict[str, Any]:
@@ -118,7 +116,7 @@ def optimizer_params(case: Dict[str, Any], model: Net) -> Any:
         return base
     first = [model.l1.weight, model.l1.bias, model.l2.weight, model.l2.bias]
     rest = [p for p in base if all(p is not q for q in first)]
-    return [dict(params=first), dict(params=rest, lr=case["hyper"]["lr"] * 0.5)]
+    return [dict(params=first), dict(params=rest, lr=other_lr(REGISTRY[case["algo"]], case["hyper"]["lr"]))]
 
 
 def make_model(case: Dict[str, Any]) -> Net:
@@ -227,10 +225,12 @@ def reference(case: Dict[str, Any], world: int = 1) -> Dict[str, Any]:
             kernel = dict(foreach=True)
     opt = torch_class(case)(optimizer_params(case, model), **case["hyper"], **kernel)
     sched = torch.optim.lr_scheduler.StepLR(opt, *case["steplr"]) if case["steplr"] else None
+    defaults = inspect.signature(spec.torch_cls.__init__).parameters
+
     def sd() -> Dict[str, Any]:  # as the user built it: the kernel switch is not part of the comparison
         out = copy.deepcopy(opt.state_dict())
-        for g in out["param_groups"]:
-            g.update({k: None for k in kernel})
+        for g in out["param_groups"]:  # the class's default (torch: None; schedulefree: foreach=True)
+            g.update({k: defaults[k].default for k in kernel})
         return out
 
     train(case, model, opt, range(0, STEPS), sched=sched, ref_world=world)

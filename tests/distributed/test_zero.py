@@ -22,8 +22,10 @@ if not dist.is_available() or not dist.is_gloo_available():
     pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
 
 import _dist_zero_work as W  # noqa: E402
+from _oracles import without_instance_keys  # noqa: E402
+from funcopt.registry import REGISTRY  # noqa: E402
 from _dist_harness import (assert_state_dict_close, assert_tensors_close, case_result, load_all,  # noqa: E402
-                           spawn, state_tensor_bytes, tol)
+                           spawn, state_tensor_bytes, state_tensors, tol)
 
 SPAWN_DEADLINE = 240.0
 # a test's time includes the spawns it triggers: at most three (world 1 loads world 2's state,
@@ -44,7 +46,8 @@ LOAD_SOURCE = {4: "torch", 2: 4, 1: 2}
 # algorithms with a fused kernel (their own code path per world size); the
 # others share the foreach path, so at W=4 and W=1 each runs two of its
 # variants, rotating (every algorithm at every world size, every variant at
-# two; FUNCOPT_FULL_GRID=1 runs everything everywhere).
+# two; the rules beyond torch run every variant at W=2 and their first at W=4;
+# FUNCOPT_FULL_GRID=1 runs everything everywhere).
 _MATRIX = {c["name"] for c in W.matrix_cases()}
 _FULL = os.environ.get("FUNCOPT_FULL_GRID") == "1"
 
@@ -59,6 +62,8 @@ def runs_at(case, world: int) -> bool:
     if "cpu" in spec.fused_devices:
         return True
     variant = [c["name"] for c in W.matrix_cases() if c["algo"] == case["algo"]].index(name)
+    if case["algo"] in W.BEYOND_TORCH:  # the rules beyond torch: every variant at W=2, one at W=4
+        return world == 4 and variant == 0
     return variant % 2 == (0 if world == 4 else 1)
 
 
@@ -124,6 +129,14 @@ def test_spawn_clean(run, world):
 
 # ------------------------------------------------------------ vs torch.optim
 @pytest.mark.parametrize("world,case", world_cases(WORLDS, TRAIN))
+def _as_oracle(sd, case, ref_sd):
+    """``sd`` less the options an oracle outside torch keeps on its instance, not in its
+    param groups (tests/_oracles.py; pytorch_optimizer's ``maximize``, SOAP's ``data_format``)."""
+    spec = REGISTRY[case["algo"]]
+    return dict(sd, param_groups=[without_instance_keys(spec, g, r)
+                                  for g, r in zip(sd["param_groups"], ref_sd["param_groups"])])
+
+
 def test_matches_torch(run, world, case):
     """Params after 10 and 13 steps and the consolidated state (torch.optim format) equal torch.optim's."""
     ref = reference(case["name"], world)
@@ -134,6 +147,8 @@ def test_matches_torch(run, world, case):
     # rounding where gradients are averaged in another order, e.g. centered RMSprop at W=4)
     t, ts = tol(case["algo"]), tol(case["algo"], atol=1e-6)
     assert_tensors_close(rank0["p10"], ref["p10"], f"W={world} params after {W.STEPS} steps", **t)
+    at_to, rank0 = dict(at_to, sd10=_as_oracle(at_to["sd10"], case, ref["sd10"])), \
+        dict(rank0, sd13=_as_oracle(rank0["sd13"], case, ref["sd13"]))
     assert_state_dict_close(at_to["sd10"], ref["sd10"], f"W={world} consolidated state (to={to}) after {W.STEPS} steps",
                             **ts)
     assert_tensors_close(rank0["p13"], ref["p13"], f"W={world} params after {W.STEPS + W.CONT} steps", **t)
@@ -206,7 +221,8 @@ def test_state_not_replicated(run, world, case):
     ref_sd = reference(case["name"])["sd10"]
     full = state_tensor_bytes(ref_sd)
     per_rank = [_get(run, world, case["name"], r)["state_bytes"] for r in range(world)]
-    n_scalar_slots = len({k for e in ref_sd["state"].values() for k, t in e.items() if t.dim() == 0})
+    n_scalar_slots = len({k for e in ref_sd["state"].values() for k, v in e.items()
+                          if not isinstance(v, (list, tuple)) and [t.dim() for t in state_tensors(v, k)] == [0]})
     n_spaces = len({p.dtype for p in W.make_model(case).parameters()})
     dup = 4 * n_scalar_slots * (world - 1) * n_spaces if case["partition"] == "flat" else 0
     assert full <= sum(per_rank) <= full + dup, f"per-rank state bytes {per_rank}, unsharded {full}"

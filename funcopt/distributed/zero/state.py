@@ -206,5 +206,8 @@ class ShardState:
 
     def nbytes(self) -> int:
         """Bytes of optimizer state this rank holds."""
+        def tensors(v: Any) -> List[Tensor]:  # a tensor, or a list of them (SOAP's GG / Q)
+            return [v] if isinstance(v, Tensor) else [t for t in v if isinstance(t, Tensor)] \
+                if isinstance(v, (list, tuple)) else []
         return sum(t.numel() * t.element_size() for e in self.optim.state_dict()["state"].values()
-                   for t in e.values() if isinstance(t, Tensor))
+                   for v in e.values() for t in tensors(v))
