@@ -299,9 +299,11 @@ def assert_state_dict_close(got: Dict[str, Any], want: Dict[str, Any], what: str
         assert sorted(mine) == sorted(entry), f"{what}: state[{pid}] keys {sorted(mine)}, expected {sorted(entry)}"
         for name, w in entry.items():
             g = mine[name]
-            if isinstance(w, (list, tuple)):  # SOAP's GG / Q: one matrix per preconditioned dimension
+            if isinstance(w, (list, tuple)):  # SOAP's GG / Q: a matrix (or [], unpreconditioned) per dimension
                 assert isinstance(g, (list, tuple)) and len(g) == len(w), f"{what}: state[{pid}][{name}] length"
-                for k, (a, b) in enumerate(zip(g, w)):
+                assert [isinstance(a, torch.Tensor) for a in g] == [isinstance(b, torch.Tensor) for b in w], \
+                    f"{what}: state[{pid}][{name}] entries"
+                for k, (a, b) in enumerate(zip(state_tensors(g), state_tensors(w))):
                     assert a.shape == b.shape and a.dtype == b.dtype, f"{what}: state[{pid}][{name}][{k}] shape"
                     torch.testing.assert_close(a, b, rtol=rtol, atol=atol,
                                                msg=lambda m: f"{what}: state[{pid}][{name}][{k}]: {m}")

@@ -74,14 +74,18 @@ def state_mismatch(o_ref: Any, o: Any) -> Optional[str]:
         return f"state ids {sorted(s['state'])} vs {sorted(sr['state'])}"
     for i, e in sr["state"].items():
         for k, v in e.items():
-            w = s["state"][i][k]
-            if isinstance(v, (list, tuple)):  # SOAP's GG / Q: a matrix per preconditioned dimension
-                same = isinstance(w, (list, tuple)) and len(v) == len(w) and all(map(torch.equal, v, w))
-            else:
-                same = isinstance(w, torch.Tensor) and torch.equal(v, w) if isinstance(v, torch.Tensor) else v == w
-            if not same:
+            if not _same(v, s["state"][i][k]):
                 return f"state[{i}][{k}] differs"
     return None
+
+
+def _same(v: Any, w: Any) -> bool:
+    """Bitwise equal state values; lists element by element (SOAP's GG / Q: a matrix, or [], per dimension)."""
+    if isinstance(v, (list, tuple)):
+        return isinstance(w, (list, tuple)) and len(v) == len(w) and all(map(_same, v, w))
+    if isinstance(v, torch.Tensor):
+        return isinstance(w, torch.Tensor) and torch.equal(v, w)
+    return v == w
 
 
 def run_case(case: Dict[str, Any]) -> Dict[str, Any]:
