@@ -120,9 +120,11 @@ class LocalView:
         hit = cache.get(id(value))
         if hit is not None and hit[0] is value:
             return hit[1]
-        if flat:  # per-element state of the flattened parameter (Prodigy's s, p0): a 1-D DTensor
-            wrapped = DTensor.from_local(value, p.device_mesh, p.placements, run_check=False,
-                                         shape=(p.numel(),), stride=(1,))
+        if flat:  # per-element state of the flattened parameter (Prodigy's s, p0): shown in the
+            # parameter's shape, sharded like it (a 1-D Shard(0) DTensor could not hold uneven row
+            # shards: 3 + 2 rows of 10 are 30 + 20 elements, not 1-D's 25 + 25); loads either way
+            wrapped = DTensor.from_local(value.view(self.step_params[i].shape), p.device_mesh, p.placements,
+                                         run_check=False, shape=p.shape, stride=p.stride())
         else:
             wrapped = DTensor.from_local(value, p.device_mesh, p.placements, run_check=False,
                                          shape=p.shape, stride=p.stride())

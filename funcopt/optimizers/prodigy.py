@@ -460,8 +460,12 @@ class Prodigy(Optimizer):
     def adapt_entry(cls, p: Tensor, entry: Any, group: Dict[str, Any]) -> Any:
         """A loaded entry as funcopt keeps it: prodigyopt's 0-d ``p0`` of an all-zero
         parameter becomes the strided zeros; an ``s`` shaped by another ``slice_p`` is refused."""
-        p0 = entry.get("p0") if isinstance(entry, dict) else None
         shape = cls.slot_shape("p0", p, group)
+        if isinstance(entry, dict) and shape == (p.numel(),) and p.dim() > 1:
+            # s and p0 in the parameter's shape (FSDP2 shows them so, sharded like it): flattened
+            entry = dict(entry, **{k: v.reshape(-1) for k, v in entry.items()
+                                   if k in ("s", "p0") and isinstance(v, Tensor) and tuple(v.shape) == tuple(p.shape)})
+        p0 = entry.get("p0") if isinstance(entry, dict) else None
         if isinstance(p0, Tensor) and p0.dim() == 0:  # prodigyopt's p0 of an all-zero parameter
             entry = dict(entry, p0=p0.detach().to(p.dtype).expand(shape).clone())
         s = entry.get("s") if isinstance(entry, dict) else None
