@@ -30,6 +30,7 @@ OPTS = {
     # rank's chunks; Prodigy's d summed over the ranks' chunks (funcopt_process_group)
     "Prodigy": dict(lr=1.0, weight_decay=0.01, d_coef=2.0, use_bias_correction=True),
     "AdamWScheduleFree": dict(lr=0.01, weight_decay=0.01, warmup_steps=2),
+    "SGDScheduleFree": dict(lr=0.05, momentum=0.9, weight_decay=0.01, warmup_steps=2),
     "ADOPT": dict(lr=0.01, weight_decay=0.01),
     "AdEMAMix": dict(lr=0.01, weight_decay=0.01, t_alpha_beta3=5.0),
 }
@@ -161,7 +162,11 @@ def reference(case: Dict[str, Any]) -> Dict[str, Any]:
             opt.step()
         if sched is not None:
             sched.step()
-    return dict(sd=model.state_dict(), norms=norms)
+    out = dict(sd={k: v.clone() for k, v in model.state_dict().items()}, norms=norms)  # eval() below moves them
+    if case.get("kind") == "train" and _has_modes(case):
+        opt.eval()  # the oracle's eval(): the parameters become the average x
+        out["sd_eval"] = model.state_dict()
+    return out
 
 
 # ------------------------------------------------------------ distributed
@@ -201,8 +206,15 @@ def train(case: Dict[str, Any], rank: int, world: int) -> Dict[str, Any]:
             opt.step()
         if sched is not None:
             sched.step()
-    return dict(sd=model.full_state_dict(to=0), norms=norms,
-                chunk_numels=[c.numel() for c in model.parameters()])
+    out = dict(sd=model.full_state_dict(to=0), norms=norms, chunk_numels=[c.numel() for c in model.parameters()])
+    if _has_modes(case):  # Schedule-Free: eval() swaps each rank's chunks to x; gathered, x everywhere
+        opt.eval()
+        out["sd_eval"] = model.full_state_dict(to=0)
+    return out
+
+
+def _has_modes(case: Dict[str, Any]) -> bool:
+    return bool(getattr(getattr(funcopt, case["opt"]), "has_modes", False))
 
 
 def memory_probe(case: Dict[str, Any], rank: int, world: int) -> Dict[str, Any]:

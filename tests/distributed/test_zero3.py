@@ -66,6 +66,9 @@ def test_training_matches_torch(run, world, name):
     res = _get(run, world, name)
     ref = reference(name)
     assert_sd_close(res["sd"], ref["sd"], f"{name} W={world}")
+    if "sd_eval" in ref:  # Schedule-Free's eval(): every rank's chunks swapped, x gathered on every rank
+        assert_sd_close(res["sd_eval"], ref["sd_eval"], f"{name} W={world} after eval()")
+        assert any(not torch.equal(ref["sd"][k], ref["sd_eval"][k]) for k in ref["sd"]), "eval() moved nothing"
     if BY_NAME[name].get("clip"):
         got = torch.stack([n.double() for n in res["norms"]])
         want = torch.stack([n.double() for n in ref["norms"]])
