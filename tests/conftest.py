@@ -186,6 +186,9 @@ REST = [
      r"Prodigy|ADOPT|AdEMAMix|SOAP)-(eager-[14]|scripted-[12])\]",
      "ZeRO-3 of the rules beyond torch at the other world sizes and modes; the default tier runs each one eager "
      "at world size 2 and scripted at 4"),
+    (r"tests/test_layouts\.py::test_every_layout_1m_elements\[\w+-(auto-scripted|foreach-eager)\]",
+     "the 1M-element layouts of each algorithm in two of its four impl x mode combinations; the default tier "
+     "runs auto eager and foreach scripted (every impl and mode once), and every combination on small layouts"),
     (r"tests/embed/",
      "compiles a libtorch C++ program (~20 s); the default tier loads saved train steps in a Python process "
      "that never imports funcopt (test_script, test_native)"),
