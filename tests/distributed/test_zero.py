@@ -128,7 +128,6 @@ def test_spawn_clean(run, world):
 
 
 # ------------------------------------------------------------ vs torch.optim
-@pytest.mark.parametrize("world,case", world_cases(WORLDS, TRAIN))
 def _as_oracle(sd, case, ref_sd):
     """``sd`` less the options an oracle outside torch keeps on its instance, not in its
     param groups (tests/_oracles.py; pytorch_optimizer's ``maximize``, SOAP's ``data_format``)."""
@@ -137,6 +136,7 @@ def _as_oracle(sd, case, ref_sd):
                                   for g, r in zip(sd["param_groups"], ref_sd["param_groups"])])
 
 
+@pytest.mark.parametrize("world,case", world_cases(WORLDS, TRAIN))
 def test_matches_torch(run, world, case):
     """Params after 10 and 13 steps and the consolidated state (torch.optim format) equal torch.optim's."""
     ref = reference(case["name"], world)
