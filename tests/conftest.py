@@ -189,6 +189,9 @@ REST = [
     (r"tests/test_layouts\.py::test_every_layout_1m_elements\[\w+-(auto-scripted|foreach-eager)\]",
      "the 1M-element layouts of each algorithm in two of its four impl x mode combinations; the default tier "
      "runs auto eager and foreach scripted (every impl and mode once), and every combination on small layouts"),
+    (r"tests/test_contracts\.py::test_parity_with_torch_for_loop_float64\[\w+-\w+-scripted\]",
+     "the scripted optimizers against torch's for-loop path in float64; the default tier runs the eager ones "
+     "(every grid point for foreach) and test_script compares every scripted algorithm with its eager twin"),
     (r"tests/embed/",
      "compiles a libtorch C++ program (~20 s); the default tier loads saved train steps in a Python process "
      "that never imports funcopt (test_script, test_native)"),

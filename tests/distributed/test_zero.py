@@ -41,20 +41,23 @@ LOADED = ["SGD-flat", "Adam-greedy", "AdamW-flat-view", "Adagrad-greedy-view", "
 LOAD_SOURCE = {4: "torch", 2: 4, 1: 2}
 
 
-# Which (world size, case) pairs run.  Every case runs at W=2.  The algorithm x
+# Which (world size, case) pairs run.  Every case but the rules beyond torch's runs at W=2.  The algorithm x
 # partition x bucket-view matrix runs in full at every world size for the
 # algorithms with a fused kernel (their own code path per world size); the
 # others share the foreach path, so at W=4 and W=1 each runs two of its
 # variants, rotating (every algorithm at every world size, every variant at
-# two; the rules beyond torch run every variant at W=2 and their first at W=4;
-# FUNCOPT_FULL_GRID=1 runs everything everywhere).
+# two; the rules beyond torch run two variants at W=2, flat with the oracle's class and the
+# last (greedy, bucket view, two groups) with funcopt's; FUNCOPT_FULL_GRID=1 runs everything
+# everywhere).
 _MATRIX = {c["name"] for c in W.matrix_cases()}
 _FULL = os.environ.get("FUNCOPT_FULL_GRID") == "1"
 
 
 def runs_at(case, world: int) -> bool:
     name = case["name"]
-    if _FULL or world == 2 or name not in _MATRIX:
+    if _FULL or name not in _MATRIX:
+        return True
+    if world == 2 and case["algo"] not in W.BEYOND_TORCH:
         return True
     from funcopt.registry import REGISTRY
 
@@ -62,8 +65,8 @@ def runs_at(case, world: int) -> bool:
     if "cpu" in spec.fused_devices:
         return True
     variant = [c["name"] for c in W.matrix_cases() if c["algo"] == case["algo"]].index(name)
-    if case["algo"] in W.BEYOND_TORCH:  # the rules beyond torch: every variant at W=2, one at W=4
-        return world == 4 and variant == 0
+    if case["algo"] in W.BEYOND_TORCH:  # the rules beyond torch: their first and last variant at W=2
+        return world == 2 and variant in (0, len([c for c in W.matrix_cases() if c["algo"] == case["algo"]]) - 1)
     return variant % 2 == (0 if world == 4 else 1)
 
 
