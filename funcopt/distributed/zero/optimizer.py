@@ -391,6 +391,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
                     self._sync.refresh_mine(params)
                     self._sync_groups(self.param_groups, local.param_groups)
                     local.step(grads, **kwargs)  # checks the hyperparameters first: refused, nothing stepped
+                    self._state.note_groups()
                     _comm.group_state_back(local, self.param_groups)  # step counters, d... (the same on every rank)
         # a consolidated state is of the past now (not before: a refused step changes nothing)
         self._consolidated, self._all_state_dicts = False, None

@@ -39,7 +39,10 @@ def cut_problem(cls: Any, segments: Sequence[Segment], params: List[Tensor],
         if _pieces.is_whole(s.start, s.length, p.numel()):
             continue
         for name, _ in cls.slots:
-            shape = cls.slot_shape(name, p, group_of[s.param])
+            try:
+                shape = cls.slot_shape(name, p, group_of[s.param])
+            except (TypeError, ValueError):  # a bad option: refused by the class's own checks
+                continue
             if shape is not None and len(shape) > 0 and _pieces.numel_of(shape) != p.numel():
                 return (f"partition='flat' cuts parameter {s.param} (shape {tuple(p.shape)}) between ranks, but "
                         f"{cls.__name__}'s state '{name}' of it has shape {tuple(shape)}, not one value per "
@@ -89,10 +92,19 @@ class ShardState:
         self.optim = make_optimizer(groups)
         # the full state keeps each slot in the class's shape (Prodigy's flattened s and p0)
         self._slot_shape: _pieces.SlotShape = None
+        # the groups of the last step (or build, or load) that went through: an option a user
+        # edited since (refused by the next step, or not yet stepped) does not reshape the state
+        self._groups_seen: List[Dict[str, Any]] = []
+        self.note_groups()
         if not eager:
-            cls, group_of = type(self.optim), [param_groups[g] for g in gid]
+            cls, seen = type(self.optim), self._groups_seen
             names = {name for name, _ in cls.slots}  # not the state dict's other keys (SOAP's GG list)
-            self._slot_shape = lambda i, name: cls.slot_shape(name, params[i], group_of[i]) if name in names else None
+            self._slot_shape = lambda i, name: (cls.slot_shape(name, params[i], seen[gid[i]])
+                                                if name in names else None)
+
+    def note_groups(self) -> None:
+        """Record the local optimizer's options after a step or load that went through.  Local."""
+        self._groups_seen[:] = [{k: v for k, v in g.items() if k != "params"} for g in self.optim.param_groups]
 
     def view(self, params: List[Tensor]) -> Dict[Any, Dict[str, Any]]:
         """What ZeRO shows as ``state``: every parameter, with the local optimizer's
@@ -152,6 +164,7 @@ class ShardState:
             self.optim.load_state_dict(staged)
         else:
             self.optim.commit_state(staged)
+        self.note_groups()
 
     # --------------------------------------------------------- torch format
     def full_state(self, pieces: Sequence[Piece], param_groups: List[Dict[str, Any]]) -> Dict[str, Any]:
