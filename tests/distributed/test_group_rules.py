@@ -72,3 +72,26 @@ def test_overlap_with_ddp_refuses_them(run, world):
         assert set(got) == set(W.HYPER)
         for algo, msg in got.items():
             assert msg is not None and "once per step" in msg and algo in msg, (rank, algo, msg)
+
+
+@pytest.mark.parametrize("slice_p,partition,refused", [(1, "flat", False), (2, "flat", True), (2, "greedy", False)])
+def test_prodigy_slice_p_cut_between_ranks_is_refused(slice_p, partition, refused):
+    """ZeRO's one verdict over every rank's segments (``cut_problem``, judged before the
+    layout changes): Prodigy's ``s``/``p0`` with ``slice_p > 1`` are every slice_p-th element
+    of the whole parameter, which a flat cut cannot split; greedy keeps parameters whole."""
+    from funcopt.distributed.zero.layout import make_layout
+    from funcopt.distributed.zero.state import cut_problem
+
+    import funcopt
+
+    params = [torch.zeros(5, 3), torch.zeros(7)]
+    groups = [dict(params=params, slice_p=slice_p)]
+    layout = make_layout([p.numel() for p in params], [p.dtype for p in params], [2], 2, partition)
+    segments = [s for r in range(2) for s in layout.segments(r)]
+    problem = cut_problem(funcopt.Prodigy, segments, params, groups)
+    if refused:
+        assert problem is not None and "partition='greedy'" in problem and "'s'" in problem, problem
+    else:
+        assert problem is None, problem
+    # a bad option is the step's error (named there), not a crash of the layout's verdict
+    assert cut_problem(funcopt.Prodigy, segments, params, [dict(params=params, slice_p=None)]) is None
