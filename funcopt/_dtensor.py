@@ -36,21 +36,26 @@ Usage (nothing to do: a funcopt optimizer detects DTensor parameters)::
 """
 from __future__ import annotations
 
+import sys
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
-try:  # torch.distributed may be built without DTensor
-    from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
-except ImportError:  # pragma: no cover - such a torch has no DTensor parameters either
-    DTensor = None  # type: ignore[assignment,misc]
-    Replicate = None  # type: ignore[assignment,misc]
-    distribute_tensor = None  # type: ignore[assignment]
+_MODULE = "torch.distributed.tensor"  # imported by whoever makes a DTensor, never here (0.9 s per process)
+
+
+def _api() -> Any:
+    """torch.distributed.tensor, once a DTensor exists (only then is it asked for)."""
+    import torch.distributed.tensor as api
+    return api
 
 
 def is_dtensor(t: Any) -> bool:
-    return DTensor is not None and isinstance(t, DTensor)
+    """Whether ``t`` is a DTensor.  Never imports torch.distributed.tensor: a DTensor can only
+    exist once that module has been imported (by FSDP2, ``distribute_tensor``, DCP...)."""
+    api = sys.modules.get(_MODULE)
+    return api is not None and isinstance(t, api.DTensor)
 
 
 def local(t: Tensor) -> Tensor:
@@ -123,10 +128,10 @@ class LocalView:
         if flat:  # per-element state of the flattened parameter (Prodigy's s, p0): shown in the
             # parameter's shape, sharded like it (a 1-D Shard(0) DTensor could not hold uneven row
             # shards: 3 + 2 rows of 10 are 30 + 20 elements, not 1-D's 25 + 25); loads either way
-            wrapped = DTensor.from_local(value.view(self.step_params[i].shape), p.device_mesh, p.placements,
+            wrapped = _api().DTensor.from_local(value.view(self.step_params[i].shape), p.device_mesh, p.placements,
                                          run_check=False, shape=p.shape, stride=p.stride())
         else:
-            wrapped = DTensor.from_local(value, p.device_mesh, p.placements, run_check=False,
+            wrapped = _api().DTensor.from_local(value, p.device_mesh, p.placements, run_check=False,
                                          shape=p.shape, stride=p.stride())
         cache[id(value)] = (value, wrapped)
         return wrapped
@@ -195,7 +200,7 @@ class GatherView(LocalView):
         with torch.no_grad():
             for i in self.index:
                 p = self.params[i]
-                cut = distribute_tensor(self.step_params[i], p.device_mesh, p.placements, src_data_rank=None)
+                cut = _api().distribute_tensor(self.step_params[i], p.device_mesh, p.placements, src_data_rank=None)
                 local(p).copy_(cut.to_local())
 
     def wrap(self, i: int, name: str, value: Tensor, cache: Dict[int, Tuple[Tensor, Tensor]]) -> Tensor:
@@ -205,7 +210,7 @@ class GatherView(LocalView):
         hit = cache.get(id(value))
         if hit is not None and hit[0] is value:
             return hit[1]
-        wrapped = DTensor.from_local(value, p.device_mesh, [Replicate()] * p.device_mesh.ndim, run_check=False)
+        wrapped = _api().DTensor.from_local(value, p.device_mesh, [_api().Replicate()] * p.device_mesh.ndim, run_check=False)
         cache[id(value)] = (value, wrapped)
         return wrapped
 
@@ -231,7 +236,7 @@ def to_shard(v: Tensor, p: Tensor) -> Tensor:
                 v = v.redistribute(p.device_mesh, p.placements)
             return v.to_local()
         if tuple(v.shape) == tuple(p.shape):
-            return distribute_tensor(v.detach().to(p.device), p.device_mesh, p.placements,
+            return _api().distribute_tensor(v.detach().to(p.device), p.device_mesh, p.placements,
                                      src_data_rank=None).to_local()
     return v
 
@@ -292,7 +297,7 @@ def view_for(params: Sequence[Tensor], owner: str, whole_params: bool, different
     rule that needs each parameter whole, ``whole_params``: collective, call on every
     rank); ``None`` for plain tensors, or for ``differentiable=True`` groups (stepped
     through DTensor dispatch, as torch.optim does)."""
-    if DTensor is None or not any(is_dtensor(p) for p in params):
+    if not any(is_dtensor(p) for p in params):
         return None
     if differentiable:
         return None

@@ -18,7 +18,8 @@ Only classes that ``funcopt.registry`` names as an oracle of an algorithm with a
 from __future__ import annotations
 
 import functools
-from typing import Any, List
+import sys
+from typing import Any, Dict, List, Tuple
 
 import torch
 
@@ -36,8 +37,6 @@ def instance_keys(spec) -> tuple:
     (pytorch_optimizer's ``maximize``, ADOPT's ``clip_lambda``, SOAP's ``data_format``:
     each funcopt module's ``INSTANCE_KEYS``), and those on which it gives no verdict funcopt
     could follow (Prodigy's ``fsdp_in_use``: ``NO_ORACLE_VERDICT``)."""
-    import sys
-
     module = sys.modules[spec.cls.__module__]
     return tuple(getattr(module, "INSTANCE_KEYS", ())) + tuple(getattr(module, "NO_ORACLE_VERDICT", ()))
 
@@ -134,18 +133,56 @@ def _patch(cls: type, modes: bool) -> None:
     cls._funcopt_test_glue = True
 
 
+class _PatchOnImport:
+    """A ``sys.meta_path`` finder that patches an oracle's classes right after its module is
+    first imported: importing ``pytorch_optimizer`` costs about a second per process (it
+    pulls DTensor in), and most spawned ranks and test processes never use an oracle."""
+
+    def __init__(self) -> None:
+        self.todo: Dict[str, List[Tuple[str, bool]]] = {}
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+        if name not in self.todo:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        classes, loader = self.todo.pop(name), spec.loader
+        if loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        exec_module = loader.exec_module
+
+        def exec_and_patch(module: Any) -> None:
+            exec_module(module)
+            for cls_name, modes in classes:
+                _patch(getattr(module, cls_name), modes)
+
+        loader.exec_module = exec_and_patch  # this spec's loader object only (one per import)
+        return spec
+
+
 def install() -> None:
-    """Patch every oracle outside torch that is installed (once per process)."""
+    """Patch every oracle outside torch that is installed (once per process): at once where
+    its module is already imported, else when it is first imported."""
     if _DONE:
         return
     _DONE.append(True)
     from funcopt.registry import REGISTRY
 
+    hook = _PatchOnImport()
     for spec in REGISTRY.values():
         if spec.oracle_package is None:
             continue
-        try:
-            cls = spec.torch_cls
-        except ImportError:
-            continue
-        _patch(cls, bool(getattr(spec.cls, "has_modes", False)))
+        module, _, cls_name = spec.cls.torch_class.partition(":")
+        modes = bool(getattr(spec.cls, "has_modes", False))
+        if module in sys.modules:
+            _patch(getattr(sys.modules[module], cls_name), modes)
+        else:
+            hook.todo.setdefault(module, []).append((cls_name, modes))
+    if hook.todo:
+        sys.meta_path.insert(0, hook)

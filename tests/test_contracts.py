@@ -679,6 +679,30 @@ def test_import_is_silent_and_scripts_nothing():
     assert r.stdout == "" and r.stderr == "", (r.stdout, r.stderr[-3000:])
 
 
+
+def test_import_leaves_dtensor_and_dcp_to_their_users():
+    """``import funcopt`` / ``funcopt.distributed`` / ``funcopt.cli`` pull in neither DTensor
+    nor torch.distributed.checkpoint (about a second per process, paid by every spawned rank
+    and CLI command).  The modules are imported by whoever makes a DTensor or the first
+    save/load, and funcopt still detects DTensor parameters then (test_fsdp2_dcp).  (torch
+    itself imports them with torch._dynamo on the first ``torch.optim`` construction, which
+    funcopt's first hyperparameter verdict makes: not asserted here.)"""
+    code = textwrap.dedent("""
+        import sys, torch
+        import funcopt, funcopt.distributed, funcopt.cli
+        from funcopt.distributed import ZeroRedundancyOptimizer, Checkpointer
+        p = torch.zeros(3, requires_grad=True)
+        print(sorted(m for m in ("torch.distributed.tensor", "torch.distributed.checkpoint",
+                                 "torch.distributed.fsdp") if m in sys.modules))
+        import torch.distributed.tensor as dt
+        from funcopt import _dtensor
+        print(_dtensor.is_dtensor(p), dt.DTensor.__name__)
+    """)
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.splitlines() == ["[]", "False DTensor"], r.stdout
+
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("name", ALGOS)

@@ -7,10 +7,13 @@ import os
 import re
 from typing import Any, Callable, Dict, List, Pattern, Sequence, Tuple
 
-from torch.distributed.checkpoint.api import CheckpointException
 
-# DCP's CheckpointException (every rank's failures, raised on every rank) is a BaseException
-FAILURES = (Exception, CheckpointException)
+def failures() -> Tuple[type, ...]:
+    """What a save or load may fail with (``except failures() as e``): ``Exception`` and DCP's
+    ``CheckpointException`` (every rank's failures, raised on every rank: a ``BaseException``).
+    DCP is imported here, not at funcopt's import (0.9 s per process that never checkpoints)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+    return (Exception, CheckpointException)
 
 
 def failure_text(e: BaseException) -> str:

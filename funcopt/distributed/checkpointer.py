@@ -54,7 +54,7 @@ from torch.profiler import record_function
 
 from ._comm import DistributedError
 from ._comm import agree_values as _agree
-from ._files import (FAILURES, check_file_entries, check_files, failure_text, fsync_dir, hash_file,
+from ._files import (failures, check_file_entries, check_files, failure_text, fsync_dir, hash_file,
                      read_record_file)
 
 FORMAT = "funcopt-checkpointer-v1"
@@ -355,7 +355,7 @@ class Checkpointer:
                     os.makedirs(self.directory, exist_ok=True)
                     tmp = os.path.join(self.directory, f"{TMP_PREFIX}{STEP_PREFIX}{step:09d}-{save_id}")
                     os.mkdir(tmp)
-            except FAILURES as e:
+            except failures() as e:
                 error = failure_text(e)
             save_id = _agree(group, error, what, save_id)[0]
             tmp = os.path.join(self.directory, f"{TMP_PREFIX}{STEP_PREFIX}{step:09d}-{save_id}")
@@ -378,7 +378,7 @@ class Checkpointer:
                             _check_loadable(os.path.join(tmp, "train.pt"))
                         files = self._own_files(tmp)
                         self._phase("save-written", step)
-                    except FAILURES as e:
+                    except failures() as e:
                         error = failure_text(e)
                     parts = _agree(group, error, what, files)
                 error = None
@@ -386,7 +386,7 @@ class Checkpointer:
                     if rank == 0:
                         try:
                             self._commit(tmp, step, save_id, {k: v for part in parts for k, v in part.items()})
-                        except FAILURES as e:
+                        except failures() as e:
                             error = failure_text(e)
                     _agree(group, error, what)
             except DistributedError:
@@ -398,7 +398,7 @@ class Checkpointer:
             if rank == 0:
                 try:
                     self._prune(step)
-                except FAILURES as e:  # the new save is committed; an old one left over is removed later
+                except failures() as e:  # the new save is committed; an old one left over is removed later
                     warnings.warn(f"Checkpointer: could not remove old saves in {self.directory}: "
                                   f"{failure_text(e)}", CheckpointWarning, stacklevel=2)
             _agree(group, None, what)
@@ -478,7 +478,7 @@ class Checkpointer:
                 if rank == 0 and os.path.isdir(self.directory):
                     self._clear_leftovers()
                 steps = saved_steps(self.directory) if rank == 0 else None
-            except FAILURES as e:
+            except failures() as e:
                 error = failure_text(e)
             steps = _agree(group, error, what, steps)[0]
             rejected: List[str] = []
@@ -489,7 +489,7 @@ class Checkpointer:
                     rec = verify(save_dir, rank, world)
                     if rec["step"] != step:
                         raise ValueError(f"{save_dir}: the record says step {rec['step']}")
-                except FAILURES as e:
+                except failures() as e:
                     error = failure_text(e)
                 errors = [e for e in _gather(error, group) if e is not None]
                 if errors:
@@ -542,7 +542,7 @@ class Checkpointer:
                     raise ValueError(f"{save_dir} was saved {'with' if mine['scaler'] is not None else 'without'} "
                                      f"a GradScaler, this Checkpointer has {'one' if self.scaler else 'none'}")
                 staged = (sharded, state, train, mine)
-            except FAILURES as e:
+            except failures() as e:
                 error = failure_text(e)
             _agree(group, error, what)
         assert staged is not None
@@ -563,6 +563,6 @@ class Checkpointer:
                 self.scaler.load_state_dict(mine["scaler"])
             _set_rng_state(mine["rng"])
             self.steps, self.extra = int(train["steps"]), dict(train["extra"])
-        except FAILURES as e:
+        except failures() as e:
             error = failure_text(e)
         _agree(group, error, what)

@@ -16,7 +16,6 @@ import re
 from typing import Any, Callable, Dict, List, Tuple
 
 import torch
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
 from ... import state_format
 
@@ -88,6 +87,8 @@ class ZeroShards:
     def request(self, metadata: Any, sharded: Callable[..., Any]) -> Tuple[Dict[str, Any], Any]:
         """What this rank asks DCP for (its ranges of every saved state tensor, the groups), and the
         pieces those buffers form once loaded."""
+        # DCP is imported by a load, not by funcopt's import (a second per process)
+        from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
         params = self.params
         saved: Dict[int, Dict[str, Any]] = {}
         request: Dict[str, Any] = {}

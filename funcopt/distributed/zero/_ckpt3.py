@@ -21,7 +21,6 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
 from ... import registry, state_format
 from .._comm import rank_and_size
@@ -144,6 +143,8 @@ class Zero3Shards:
                              f"this one {here['params']} in groups {here['group_sizes']}")
 
     def request(self, metadata: Any, sharded: Callable[..., Any]) -> Tuple[Dict[str, Any], Any]:
+        # DCP is imported by a load, not by funcopt's import (a second per process)
+        from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
         md = metadata.state_dict_metadata
         request: Dict[str, Any] = {}
         model: List[Tuple[Any, Optional[Tensor]]] = []

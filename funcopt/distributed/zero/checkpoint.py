@@ -45,14 +45,11 @@ import uuid
 from typing import Any, Dict, Tuple
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.profiler import record_function
 
 from .._comm import DistributedError
 from .._comm import agree_values as _agree
-from .._files import FAILURES as _FAILURES
+from .._files import failures as _failures
 from .._files import failure_text as _what
 from .._files import fsync_dir as _fsync_dir
 from .._files import hash_file as _hash
@@ -69,6 +66,13 @@ _FILE = re.compile(r"^(\.metadata|__\d+_\d+\.distcp)$")
 
 
 # ------------------------------------------------------------------ helpers
+def _dcp() -> Any:
+    """torch.distributed.checkpoint, imported by the first save or load (not by funcopt's
+    import: it pulls DTensor in, about a second per process)."""
+    import torch.distributed.checkpoint as dcp
+    return dcp
+
+
 class _Meshes:
     """1-D device meshes over ``group``, one per device type of the local tensors (DTensor
     would copy a local tensor to its mesh's device type, and a load must land in ours)."""
@@ -196,7 +200,7 @@ def save_sharded(obj: Any, path: str, optimizer: Any = None) -> None:
             sd = target.save_dict(_sharder(group))
             if target.rank == 0:
                 sd.setdefault("funcopt", {}).update(format=target.format, save_id=save_id)
-        except _FAILURES as e:
+        except _failures() as e:
             error = _what(e)
         try:
             save_id = _agree(group, error, what, save_id)[0]
@@ -204,10 +208,11 @@ def save_sharded(obj: Any, path: str, optimizer: Any = None) -> None:
             error, files = None, None
             with record_function("funcopt::zero/save_sharded/write"):
                 try:
-                    dcp.save(sd, storage_writer=FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True),
+                    dcp = _dcp()
+                    dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True),
                              process_group=group)
                     files = _own_files(tmp, target.rank)
-                except _FAILURES as e:
+                except _failures() as e:
                     error = _what(e)
                 parts = _agree(group, error, what, files)
             error = None
@@ -218,7 +223,7 @@ def save_sharded(obj: Any, path: str, optimizer: Any = None) -> None:
                                       dir=SAVE_PREFIX + save_id, world_size=target.world_size,
                                       files={k: v for part in parts for k, v in part.items()})
                         _publish(path, save_id, record)
-                    except _FAILURES as e:
+                    except _failures() as e:
                         error = _what(e)
                 _agree(group, error, what)
         except DistributedError:
@@ -290,13 +295,13 @@ def load_sharded(obj: Any, path: str, optimizer: Any = None) -> None:
                     raise ValueError(f"{path} holds a {_KIND[rec['format']]} checkpoint ({rec['format']}), "
                                      f"this is a {_KIND[target.format]} ({target.format})")
                 target.match(rec)
-                metadata = FileSystemReader(save_dir).read_metadata()
+                metadata = _dcp().FileSystemReader(save_dir).read_metadata()
                 request, ctx = target.request(metadata, _sharder(group))
                 if "funcopt.save_id" not in metadata.state_dict_metadata:
                     raise ValueError("the checkpoint lacks its save id")
                 request["funcopt.save_id"] = None
                 plan = (rec, save_dir, request, ctx)
-            except _FAILURES as e:
+            except _failures() as e:
                 error = _what(e)
             _agree(group, error, what)
         assert plan is not None
@@ -304,13 +309,14 @@ def load_sharded(obj: Any, path: str, optimizer: Any = None) -> None:
         error, staged = None, None
         with record_function("funcopt::zero/load_sharded/read"):
             try:
-                dcp.load(request, storage_reader=FileSystemReader(save_dir), process_group=group,
-                         planner=DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False))
+                dcp = _dcp()
+                dcp.load(request, storage_reader=dcp.FileSystemReader(save_dir), process_group=group,
+                         planner=dcp.DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False))
                 if request.get("funcopt.save_id") != rec["save_id"]:
                     raise ValueError(f"{save_dir} holds save {request.get('funcopt.save_id')!r}, "
                                      f"the commit record names {rec['save_id']!r}")
                 staged = target.stage(request, ctx)
-            except _FAILURES as e:
+            except _failures() as e:
                 error = _what(e)
             _agree(group, error, what)
         target.commit(staged)
@@ -343,7 +349,8 @@ class ShardedPart:
         sd = self.target.save_dict(_sharder(self.process_group))
         if self.target.rank == 0:
             sd.setdefault("funcopt", {}).update(format=self.target.format, save_id=save_id)
-        dcp.save(sd, storage_writer=FileSystemWriter(directory, single_file_per_rank=True, sync_files=True),
+        dcp = _dcp()
+        dcp.save(sd, storage_writer=dcp.FileSystemWriter(directory, single_file_per_rank=True, sync_files=True),
                  process_group=self.process_group)
 
     def read(self, directory: str, described: Dict[str, Any], save_id: str) -> Any:
@@ -353,11 +360,12 @@ class ShardedPart:
             raise ValueError(f"the checkpoint holds a {_KIND.get(described.get('format'), described.get('format'))} "
                              f"part, this is a {_KIND[self.target.format]}")
         self.target.match(described)
-        metadata = FileSystemReader(directory).read_metadata()
+        metadata = _dcp().FileSystemReader(directory).read_metadata()
         request, ctx = self.target.request(metadata, _sharder(self.process_group))
         request["funcopt.save_id"] = None
-        dcp.load(request, storage_reader=FileSystemReader(directory), process_group=self.process_group,
-                 planner=DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False))
+        dcp = _dcp()
+        dcp.load(request, storage_reader=dcp.FileSystemReader(directory), process_group=self.process_group,
+                 planner=dcp.DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False))
         if request.get("funcopt.save_id") != save_id:
             raise ValueError(f"{directory} holds save {request.get('funcopt.save_id')!r}, expected {save_id!r}")
         return self.target.stage(request, ctx)
