@@ -283,6 +283,9 @@ class Optimizer(torch.optim.Optimizer):
     phases: int = 1
     # train()/eval() swap the parameters (Schedule-Free): the core's set_mode, GroupRule.mode
     has_modes: bool = False
+    # the GroupRule of a rule with group state (funcopt/optimizers/_core.py): a shared one
+    # (_core.StepCounter: group['step'] only), or None: the kernel class implements it itself
+    group_rule_class: Optional[type] = None
 
     @classmethod
     def adapt_entry(cls, p: Tensor, entry: Any, group: Dict[str, Any]) -> Any:
@@ -604,10 +607,10 @@ class Optimizer(torch.optim.Optimizer):
         # rule's buckets get unscaled, checked gradients (a NativeKernel: Core.native)
         fused_amp = self.native_rule is None or len(self.fused_devices) > 0
         grouped = len(self.group_state) > 0
-        if grouped or self.phases != 1 or self.has_modes:
+        if self.group_rule_class is None and (grouped or self.phases != 1 or self.has_modes):
             rule = kernel  # the kernel class implements GroupRule too
-        else:
-            rule = _core.NoGroups()
+        else:  # a shared GroupRule (StepCounter), or none
+            rule = self.group_rule_class() if self.group_rule_class is not None else _core.NoGroups()
             if isinstance(kernel, torch.jit.RecursiveScriptClass):
                 from .script import script_object
 

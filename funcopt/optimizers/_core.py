@@ -168,6 +168,30 @@ class NoGroups:
         pass
 
 
+class StepCounter:
+    """The :class:`GroupRule` of a one-pass rule whose only group state is the oracle's
+    ``group['step']`` (``group_state = (("step", 0),)``; ADOPT, AdEMAMix, SOAP): bumps it
+    once per step, in every param group (the oracle's, with or without gradients).  The
+    optimizer class names it in ``group_rule_class``; its kernel then implements
+    :class:`Kernel` alone."""
+
+    def __init__(self) -> None:
+        self.name = "step"
+
+    def group(self, groups: List[Tensor], hs: List[Dict[str, float]]) -> None:
+        for gs in groups:  # group['step'] += 1
+            gs[0].add_(1.0)
+
+    def mode(self, params: List[Tensor], state: List[List[Tensor]], h: Dict[str, float], train: bool) -> None:
+        pass
+
+    def partial(self, groups: List[Tensor]) -> Tensor:
+        return torch.empty(0, dtype=torch.float64)  # one pass: no sums across parameters
+
+    def combine(self, groups: List[Tensor], total: Tensor) -> None:
+        pass
+
+
 def ensure_interface() -> None:
     """Make :class:`Kernel` a ``torch.jit.interface`` (once, quietly), right
     before the first scripting: not at import time, where torch >= 2.14 would

@@ -49,6 +49,7 @@ from torch import Tensor
 
 from ..base import Optimizer
 from ._common import zeros_like
+from ._core import StepCounter
 from .adopt import _number, check_range, fill_instance_keys, strip_instance_keys
 
 # options the oracle keeps on its instance, not in its param groups (see adopt.strip_instance_keys)
@@ -168,7 +169,7 @@ def _ademamix_compiled(params: List[Tensor], grads: List[Tensor], exp_avgs: List
 
 class AdEMAMixKernel:
     """AdEMAMix for the shared core (slots: exp_avg, exp_avg_sq, exp_avg_slow; group
-    state: step): a ``Kernel`` and a ``GroupRule`` (funcopt/optimizers/_core.py)."""
+    state: step): a ``Kernel`` (funcopt/optimizers/_core.py; ``group["step"]``: ``StepCounter``)."""
 
     def __init__(self) -> None:
         self.name = "AdEMAMix"
@@ -181,19 +182,6 @@ class AdEMAMixKernel:
         for i in idx:
             if params[i].is_complex():
                 raise RuntimeError("AdEMAMix does not support complex parameter.")
-
-    def group(self, groups: List[Tensor], hs: List[Dict[str, float]]) -> None:
-        for gs in groups:  # group['step'] += 1
-            gs[0].add_(1.0)
-
-    def mode(self, params: List[Tensor], state: List[List[Tensor]], h: Dict[str, float], train: bool) -> None:
-        pass
-
-    def partial(self, groups: List[Tensor]) -> Tensor:
-        return torch.empty(0, dtype=torch.float64)  # one pass: no sums across parameters
-
-    def combine(self, groups: List[Tensor], total: Tensor) -> None:
-        pass
 
     def dense(self, params: List[Tensor], grads: List[Tensor], state: List[List[Tensor]],
               h: Dict[str, float], fused: bool, first: bool, grad_scale: Optional[Tensor],
@@ -248,6 +236,7 @@ class AdEMAMix(Optimizer):
     torch_class = "pytorch_optimizer:AdEMAMix"
     complex_differs_from_oracle = True  # refused with a RuntimeError (the oracle: NoComplexParameterError)
     kernel_class = AdEMAMixKernel
+    group_rule_class = StepCounter  # group['step'] += 1 each step
     sparse_msg = "AdEMAMix does not support sparse gradient."
     slots = (("exp_avg", None), ("exp_avg_sq", None), ("exp_avg_slow", None))
     group_state = (("step", 0),)

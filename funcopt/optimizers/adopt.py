@@ -51,6 +51,7 @@ from torch import Tensor
 
 from ..base import Optimizer
 from ._common import zeros_like
+from ._core import StepCounter
 
 # the value clip_lambda's default stands for in param_groups and the kernel's code for it
 CLIP_DEFAULT = "step ** 0.25"
@@ -151,7 +152,7 @@ def _adopt_compiled(params: List[Tensor], grads: List[Tensor], exp_avgs: List[Te
 
 class ADOPTKernel:
     """ADOPT for the shared core (slots: exp_avg, exp_avg_sq; group state: step):
-    a ``Kernel`` and a ``GroupRule`` (funcopt/optimizers/_core.py)."""
+    a ``Kernel`` (funcopt/optimizers/_core.py; ``group["step"]``: ``StepCounter``)."""
 
     def __init__(self) -> None:
         self.name = "ADOPT"
@@ -161,19 +162,6 @@ class ADOPTKernel:
 
     def check(self, params: List[Tensor], idx: List[int], grads: List[Tensor], h: Dict[str, float],
               odd: bool) -> None:
-        pass
-
-    def group(self, groups: List[Tensor], hs: List[Dict[str, float]]) -> None:
-        for gs in groups:  # group['step'] += 1
-            gs[0].add_(1.0)
-
-    def mode(self, params: List[Tensor], state: List[List[Tensor]], h: Dict[str, float], train: bool) -> None:
-        pass
-
-    def partial(self, groups: List[Tensor]) -> Tensor:
-        return torch.empty(0, dtype=torch.float64)  # one pass: no sums across parameters
-
-    def combine(self, groups: List[Tensor], total: Tensor) -> None:
         pass
 
     def dense(self, params: List[Tensor], grads: List[Tensor], state: List[List[Tensor]],
@@ -305,6 +293,7 @@ class ADOPT(Optimizer):
 
     torch_class = "pytorch_optimizer:ADOPT"
     kernel_class = ADOPTKernel
+    group_rule_class = StepCounter  # group['step'] += 1 each step
     sparse_msg = "ADOPT does not support sparse gradient."
     slots = (("exp_avg", None), ("exp_avg_sq", None))
     group_state = (("step", 0),)

@@ -102,6 +102,7 @@ from torch import Tensor
 
 from ..base import Optimizer
 from ._common import zeros_like
+from ._core import StepCounter
 from .adopt import fill_instance_keys, strip_instance_keys
 
 # most (preconditioned) dimensions per parameter: one GG and one Q slot each
@@ -659,18 +660,9 @@ class SOAPKernel:
         self.dense(params, grads, state, h, False, first, None, None)
         return state
 
-    def group(self, groups: List[Tensor], hs: List[Dict[str, float]]) -> None:
-        for gs in groups:  # group['step'] += 1, every group (the oracle's, with or without gradients)
-            gs[0].add_(1.0)
 
-    def mode(self, params: List[Tensor], state: List[List[Tensor]], h: Dict[str, float], train: bool) -> None:
-        pass
 
-    def partial(self, groups: List[Tensor]) -> Tensor:
-        return torch.empty(0, dtype=torch.float64)
 
-    def combine(self, groups: List[Tensor], total: Tensor) -> None:
-        pass
 
 
 _k = SOAPKernel()
@@ -761,6 +753,7 @@ class SOAP(Optimizer):
 
     torch_class = "pytorch_optimizer:SOAP"
     kernel_class = SOAPKernel
+    group_rule_class = StepCounter  # group['step'] += 1 each step
     sparse_msg = "SOAP does not support sparse gradient."
     slots = ((("exp_avg", None), ("exp_avg_sq", None))
              + tuple((f"GG{k}", None) for k in range(MAX_ORDER))

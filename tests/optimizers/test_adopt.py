@@ -27,6 +27,8 @@ from funcopt.optimizers import adopt as adopt_module
 from funcopt.optimizers.adopt import default_clip_lambda
 from funcopt.registry import REGISTRY
 
+from _oracle_case import assert_same, make_grads, make_params, oracle_step, parity
+
 po = pytest.importorskip("pytorch_optimizer")
 
 STEPS = 22
@@ -40,69 +42,16 @@ CONFIGS = [
     dict(lr=0.01, weight_decay=0.3, weight_decouple=True, fixed_decay=True, clip_lambda=None, maximize=True),
 ]
 
-
-def _params(dtype, seed=0):
-    """Built afresh for each side (strides included): a matrix, a vector, a 0-d
-    and an empty tensor, a transposed and a strided (sliced) one."""
-    g = torch.Generator().manual_seed(seed)
-    out = [torch.randn(s, dtype=dtype, generator=g) for s in [(7, 3), (5,), (), (0,)]]
-    out.append(torch.randn(4, 6, dtype=dtype, generator=g).t())
-    out.append(torch.randn(6, 8, dtype=dtype, generator=g)[:, ::2])
-    assert not out[-1].is_contiguous() and not out[-2].is_contiguous()
-    return [p.requires_grad_() for p in out]
-
-
-def _grads(params, step, gen):
-    gs = [torch.randn(p.shape, dtype=p.dtype, generator=gen) for p in params]
-    if step < 5:
-        gs[1] = None  # its first gradient arrives at step 6: not the group's first step
-    if step == 9:
-        gs[4] = None
-    return gs
-
-
-def _oracle_step(opt, params, grads):
-    for p, g in zip(params, grads):
-        p.grad = None if g is None else g.clone()
-    opt.step()
+SLOTS = ["exp_avg", "exp_avg_sq"]
+_params, _grads, _oracle_step = make_params, make_grads, oracle_step
 
 
 def _assert_same(fo, ref, fparams, rparams, exact=True):
-    def same(a, b):
-        if exact:
-            return torch.equal(a, b)
-        return torch.allclose(a, b, rtol=1e-5, atol=1e-6)
-
-    for i, (a, b) in enumerate(zip(fparams, rparams)):
-        assert same(a.detach(), b.detach()), (i, (a - b).abs().max() if a.numel() else a)
-    fs, rs = fo.state_dict(), ref.state_dict()
-    assert fs["param_groups"] == rs["param_groups"]
-    assert fs["state"].keys() == rs["state"].keys()
-    for i, entry in rs["state"].items():
-        assert list(fs["state"][i]) == list(entry) == ["exp_avg", "exp_avg_sq"]
-        for k, v in entry.items():
-            got = fs["state"][i][k]
-            assert got.dtype == v.dtype and got.shape == v.shape, (i, k)
-            assert same(got, v), (i, k, got, v)
+    assert_same(fo, ref, fparams, rparams, SLOTS, exact)
 
 
 def _parity(cfg, dtype, mode, steps=STEPS):
-    fparams, rparams = _params(dtype), _params(dtype)
-    fo = funcopt.ADOPT(fparams, **cfg)
-    ref = po.ADOPT(rparams, **cfg)
-    if mode == "scripted":
-        funcopt.script(fo)
-    gen = torch.Generator().manual_seed(1)
-    for step in range(steps):
-        grads = _grads(fparams, step, gen)
-        kept = [None if g is None else g.clone() for g in grads]
-        fo.step(grads)
-        for g, k in zip(grads, kept):  # ours never writes into the caller's gradients
-            assert (g is None and k is None) or torch.equal(g, k)
-        _oracle_step(ref, rparams, grads)
-        assert fo.param_groups[0]["step"] == ref.param_groups[0]["step"] == step + 1
-    _assert_same(fo, ref, fparams, rparams)
-    assert not torch.equal(fparams[0].detach(), _params(dtype)[0].detach())  # it moved
+    parity(funcopt.ADOPT, po.ADOPT, SLOTS, cfg, dtype, mode, steps)
 
 
 @pytest.mark.parametrize("mode", ["eager", "scripted"])
