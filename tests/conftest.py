@@ -173,6 +173,10 @@ REST = [
      "(issue 23); the default tier runs each one's own oracle tests (tests/optimizers/test_{schedulefree,prodigy,"
      "adopt,ademamix,soap}.py: parity eager/scripted/compiled, None gradients, layouts, state dicts both ways, "
      "refusals) and tests/distributed/test_group_rules.py"),
+    (r"tests/distributed/test_overlap\.py::\w+\[.*-4\]",
+     "the step inside backward (DDP hook, ZeRO overlap) at world size 4: every case again with four ranks "
+     "on two cores (~25 s); the default tier runs every case at world sizes 1 and 2 (several buckets per "
+     "iteration, shards on two ranks), and ZeRO, ZeRO-3 and the bucketer at 4"),
     (r"tests/distributed/test_group_rules\.py::\w+\[4[-\]]",
      "the per-group rules under ZeRO-1/2 at world size 4 (a second pool of ranks); the default tier runs every "
      "case at world size 2 (flat and greedy, ZeRO-1 and -2)"),

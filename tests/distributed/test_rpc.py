@@ -722,10 +722,12 @@ def _dropin_cases() -> List[tuple]:
     return out
 
 
-def _role_ps2(name: str, out_dir: str) -> None:
+def _role_ps2(name: str, out_dir: str, selected: Optional[List[str]] = None) -> None:
+    """``selected``: the parity cases this run selected (its tier, ``-k``); None: all."""
     if name != "trainer":
         return  # a parameter server only answers RPCs
-    cases: List[tuple] = [(c, functools.partial(_case_parity, n, w, k)) for c, n, w, k in _parity_cases()]
+    cases: List[tuple] = [(c, functools.partial(_case_parity, n, w, k)) for c, n, w, k in _parity_cases()
+                          if selected is None or c in selected]
     cases += [(c, functools.partial(_case_hyper, c)) for c in HYPER_CASES]
     cases += [(f"state:{n}", functools.partial(_case_state, n)) for n in ALGOS]
     cases += [("load-errors", _case_load_errors), ("lr-after-load", _case_lr_after_load),
@@ -817,7 +819,8 @@ def _case_round_robin(name: str) -> Dict[str, Any]:
     return dict(params=rpc.rpc_sync("ps", _fetch, args=(rrefs,)), losses=losses)
 
 
-def _role_ps1(name: str, out_dir: str) -> None:
+def _role_ps1(name: str, out_dir: str, selected: Optional[List[str]] = None) -> None:
+    """``selected``: the algorithms whose round-robin case this run selected; None: all."""
     if name == "ps":
         return
     res: Dict[str, Any] = {}
@@ -857,7 +860,7 @@ def _role_ps1(name: str, out_dir: str) -> None:
             res["final"] = rpc.rpc_sync("ps", _fetch, args=(rrefs,))
             _save(out_dir, name, res)
             try:
-                for alg in ALGOS:
+                for alg in [a for a in ALGOS if selected is None or a in selected]:
                     try:
                         res[f"rr:{alg}"] = _case_round_robin(alg)
                     except BaseException:
@@ -875,17 +878,26 @@ def _role_ps1(name: str, out_dir: str) -> None:
 _JOBS: Dict[str, Job] = {}
 
 
+def _selected(request: Any, test: str, param: str) -> List[str]:
+    """The values of ``param`` of the items of ``test`` this run selected (its tier, ``-k``):
+    the spawned jobs compute only those cases."""
+    return sorted({item.callspec.params[param] for item in request.session.items
+                   if getattr(item, "originalname", None) == test and hasattr(item, "callspec")})
+
+
 @pytest.fixture(scope="module")
-def job(tmp_path_factory):
+def job(tmp_path_factory, request):
     """job(name) -> (Spawned, {process: results}); each job is spawned once per module."""
     def get(which: str) -> Job:
         if which not in _JOBS:
             workdir = tmp_path_factory.mktemp(f"rpc-{which}")
             if which == "ps2":
-                spawned = _spawn(_role_ps2, ["trainer", "ps1", "ps2"], workdir, graceful=False,
+                spawned = _spawn(_role_ps2, ["trainer", "ps1", "ps2"], workdir,
+                                 _selected(request, "test_matches_local_torch_optim", "case"), graceful=False,
                                  expect_exit={"ps2": 1})  # ps2 is killed by the last case
             else:
-                spawned = _spawn(_role_ps1, ["ps", *TRAINERS], workdir)
+                spawned = _spawn(_role_ps1, ["ps", *TRAINERS], workdir,
+                                 _selected(request, "test_three_trainers_in_turn_match_local_torch_optim", "name"))
             results = {n: torch.load(workdir / f"result-{n}.pt", weights_only=False)
                        for n in spawned.names if (workdir / f"result-{n}.pt").exists()}
             _JOBS[which] = (spawned, results)
