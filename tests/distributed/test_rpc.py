@@ -881,8 +881,10 @@ _JOBS: Dict[str, Job] = {}
 def _selected(request: Any, test: str, param: str) -> List[str]:
     """The values of ``param`` of the items of ``test`` this run selected (its tier, ``-k``):
     the spawned jobs compute only those cases."""
+    here = Path(__file__).resolve()
     return sorted({item.callspec.params[param] for item in request.session.items
-                   if getattr(item, "originalname", None) == test and hasattr(item, "callspec")})
+                   if getattr(item, "originalname", None) == test and hasattr(item, "callspec")
+                   and Path(str(item.fspath)).resolve() == here})
 
 
 @pytest.fixture(scope="module")
