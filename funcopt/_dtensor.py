@@ -128,11 +128,11 @@ class LocalView:
         if flat:  # per-element state of the flattened parameter (Prodigy's s, p0): shown in the
             # parameter's shape, sharded like it (a 1-D Shard(0) DTensor could not hold uneven row
             # shards: 3 + 2 rows of 10 are 30 + 20 elements, not 1-D's 25 + 25); loads either way
-            wrapped = _api().DTensor.from_local(value.view(self.step_params[i].shape), p.device_mesh, p.placements,
-                                         run_check=False, shape=p.shape, stride=p.stride())
+            wrapped = _api().DTensor.from_local(value.view(self.step_params[i].shape), p.device_mesh,
+                                                p.placements, run_check=False, shape=p.shape, stride=p.stride())
         else:
             wrapped = _api().DTensor.from_local(value, p.device_mesh, p.placements, run_check=False,
-                                         shape=p.shape, stride=p.stride())
+                                                shape=p.shape, stride=p.stride())
         cache[id(value)] = (value, wrapped)
         return wrapped
 
@@ -210,7 +210,8 @@ class GatherView(LocalView):
         hit = cache.get(id(value))
         if hit is not None and hit[0] is value:
             return hit[1]
-        wrapped = _api().DTensor.from_local(value, p.device_mesh, [_api().Replicate()] * p.device_mesh.ndim, run_check=False)
+        api = _api()
+        wrapped = api.DTensor.from_local(value, p.device_mesh, [api.Replicate()] * p.device_mesh.ndim, run_check=False)
         cache[id(value)] = (value, wrapped)
         return wrapped
 
@@ -237,7 +238,7 @@ def to_shard(v: Tensor, p: Tensor) -> Tensor:
             return v.to_local()
         if tuple(v.shape) == tuple(p.shape):
             return _api().distribute_tensor(v.detach().to(p.device), p.device_mesh, p.placements,
-                                     src_data_rank=None).to_local()
+                                            src_data_rank=None).to_local()
     return v
 
 
