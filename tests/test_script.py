@@ -28,6 +28,7 @@ import torch
 import funcopt
 from funcopt import registry
 from _oracles import same_value
+from _selection import selected
 from funcopt.registry import REGISTRY
 from funcopt.script import quiet_jit
 
@@ -172,10 +173,9 @@ def child_results(tmp_path_factory, data, request):
     fresh processes (two, half each)."""
     d = tmp_path_factory.mktemp("jit")
     torch.save(data, d / "data.pt")
-    selected = {item.callspec.params["case"] for item in request.session.items
-                if getattr(item, "originalname", None) == "test_saved_module_trains_without_funcopt"}
+    chosen = selected(request, "test_saved_module_trains_without_funcopt", "case")
     args = []
-    for case in [c for c in MODULE_CASES if c in selected]:
+    for case in [c for c in MODULE_CASES if c in chosen]:
         m = _build(case)
         args.append(case + "=" + ",".join(map(str, _taken(case, list(m.net.parameters())))))
         with quiet_jit():

@@ -48,6 +48,7 @@ import torch.distributed.rpc as rpc  # noqa: E402
 
 import funcopt  # noqa: E402
 from _oracles import oracle_form, same_value  # noqa: E402
+from _selection import selected  # noqa: E402
 from funcopt import registry  # noqa: E402
 from funcopt.distributed import DistributedOptimizer  # noqa: E402
 from funcopt.distributed.launch import init_method as launch_init_method  # noqa: E402
@@ -878,15 +879,6 @@ def _role_ps1(name: str, out_dir: str, selected: Optional[List[str]] = None) -> 
 _JOBS: Dict[str, Job] = {}
 
 
-def _selected(request: Any, test: str, param: str) -> List[str]:
-    """The values of ``param`` of the items of ``test`` this run selected (its tier, ``-k``):
-    the spawned jobs compute only those cases."""
-    here = Path(__file__).resolve()
-    return sorted({item.callspec.params[param] for item in request.session.items
-                   if getattr(item, "originalname", None) == test and hasattr(item, "callspec")
-                   and Path(str(item.fspath)).resolve() == here})
-
-
 @pytest.fixture(scope="module")
 def job(tmp_path_factory, request):
     """job(name) -> (Spawned, {process: results}); each job is spawned once per module."""
@@ -895,11 +887,11 @@ def job(tmp_path_factory, request):
             workdir = tmp_path_factory.mktemp(f"rpc-{which}")
             if which == "ps2":
                 spawned = _spawn(_role_ps2, ["trainer", "ps1", "ps2"], workdir,
-                                 _selected(request, "test_matches_local_torch_optim", "case"), graceful=False,
+                                 selected(request, "test_matches_local_torch_optim", "case"), graceful=False,
                                  expect_exit={"ps2": 1})  # ps2 is killed by the last case
             else:
                 spawned = _spawn(_role_ps1, ["ps", *TRAINERS], workdir,
-                                 _selected(request, "test_three_trainers_in_turn_match_local_torch_optim", "name"))
+                                 selected(request, "test_three_trainers_in_turn_match_local_torch_optim", "name"))
             results = {n: torch.load(workdir / f"result-{n}.pt", weights_only=False)
                        for n in spawned.names if (workdir / f"result-{n}.pt").exists()}
             _JOBS[which] = (spawned, results)

@@ -360,10 +360,10 @@ class ShardedPart:
             raise ValueError(f"the checkpoint holds a {_KIND.get(described.get('format'), described.get('format'))} "
                              f"part, this is a {_KIND[self.target.format]}")
         self.target.match(described)
-        metadata = _dcp().FileSystemReader(directory).read_metadata()
+        dcp = _dcp()
+        metadata = dcp.FileSystemReader(directory).read_metadata()
         request, ctx = self.target.request(metadata, _sharder(self.process_group))
         request["funcopt.save_id"] = None
-        dcp = _dcp()
         dcp.load(request, storage_reader=dcp.FileSystemReader(directory), process_group=self.process_group,
                  planner=dcp.DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False))
         if request.get("funcopt.save_id") != save_id:
